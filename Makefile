@@ -1,0 +1,27 @@
+# `make test` and `make demo` each set up .venv on their own. torch==2.13.0 is installed first:
+# a bare `torch` requirement would pull a CUDA build of several GB.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: test demo benchmark clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+demo: $(VENV)/.installed
+	$(BIN)/python examples/demo.py
+
+benchmark: $(VENV)/.installed
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

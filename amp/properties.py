@@ -1,0 +1,259 @@
+"""Opt levels O0-O3 as data, and validation of user overrides with apex's rules and messages."""
+
+import dataclasses
+import math
+from typing import Mapping
+
+import torch
+
+DYNAMIC = "dynamic"
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+# Placeholder in the table for "the low-precision dtype the user chose" (float16 by default).
+LOW_PRECISION = "low_precision"
+
+# The order apex validates and prints options in.
+OPTION_NAMES = (
+    "enabled",
+    "opt_level",
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Properties:
+    """The resolved options of one `amp.initialize` call."""
+
+    enabled: bool
+    opt_level: str
+    cast_model_type: object  # a torch.dtype, or None / False for "do not cast the model"
+    patch_torch_functions: bool
+    keep_batchnorm_fp32: object  # True, False or None
+    master_weights: object  # True, False or None
+    loss_scale: object  # a positive float, or "dynamic"
+    dtype: torch.dtype = torch.float16
+
+    def options(self):
+        """The options as (name, value) pairs in apex's order, then dtype."""
+        return [(name, getattr(self, name)) for name in OPTION_NAMES] + [("dtype", self.dtype)]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptLevel:
+    name: str
+    brief: str
+    defaults: Mapping[str, object]
+
+
+# apex.amp's property table (apex/amp/frontend.py), with the low-precision type left open.
+OPT_LEVELS = {
+    level.name: level
+    for level in (
+        OptLevel(
+            "O0",
+            "O0:  Pure FP32 training.\n",
+            dict(
+                cast_model_type=torch.float32,
+                patch_torch_functions=False,
+                keep_batchnorm_fp32=None,
+                master_weights=False,
+                loss_scale=1.0,
+            ),
+        ),
+        OptLevel(
+            "O1",
+            "O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n",
+            dict(
+                cast_model_type=None,
+                patch_torch_functions=True,
+                keep_batchnorm_fp32=None,
+                master_weights=None,
+                loss_scale=DYNAMIC,
+            ),
+        ),
+        OptLevel(
+            "O2",
+            "O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n",
+            dict(
+                cast_model_type=LOW_PRECISION,
+                patch_torch_functions=False,
+                keep_batchnorm_fp32=True,
+                master_weights=True,
+                loss_scale=DYNAMIC,
+            ),
+        ),
+        OptLevel(
+            "O3",
+            "O3:  Pure FP16 training.",
+            dict(
+                cast_model_type=LOW_PRECISION,
+                patch_torch_functions=False,
+                keep_batchnorm_fp32=False,
+                master_weights=False,
+                loss_scale=1.0,
+            ),
+        ),
+    )
+}
+
+
+def check_opt_level(opt_level):
+    """Raise apex's RuntimeError for anything that is not one of O0-O3."""
+    if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+        raise RuntimeError(
+            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3'.  "
+            "Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero."
+        )
+    return OPT_LEVELS[opt_level]
+
+
+def check_low_precision_dtype(dtype, argument="dtype"):
+    if dtype is None:
+        return torch.float16
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(
+            f"{argument}={dtype!r} is not a low-precision type amp can train in. "
+            "Pass torch.float16 or torch.bfloat16."
+        )
+    return dtype
+
+
+def defaults(opt_level, dtype=torch.float16):
+    """The Properties of an opt level before overrides."""
+    level = check_opt_level(opt_level)
+    values = {
+        name: dtype if value == LOW_PRECISION else value for name, value in level.defaults.items()
+    }
+    return Properties(enabled=True, opt_level=level.name, dtype=dtype, **values)
+
+
+def resolve(opt_level, dtype=None, **overrides):
+    """Defaults of `opt_level` with every non-None override applied and validated, in apex's order.
+
+    Returns (defaults, resolved) so callers can show both.
+    """
+    dtype = check_low_precision_dtype(dtype)
+    base = defaults(opt_level, dtype)
+    unknown = set(overrides) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unknown amp option(s) {sorted(unknown)}; known options: {OPTION_NAMES}")
+    values = dataclasses.asdict(base)
+    for name in OPTION_NAMES:
+        value = overrides.get(name)
+        if value is None:
+            continue
+        values[name] = _VALIDATORS[name](value, values)
+    return base, Properties(**values)
+
+
+def _bool_option(name, value):
+    # apex accepts the strings "True"/"False" for keep_batchnorm_fp32; we accept them for every flag.
+    if value in ("True", "False"):
+        return value == "True"
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be True, False, 'True', 'False' or None; got {value!r}.")
+
+
+def _enabled(value, values):
+    return _bool_option("enabled", value)
+
+
+def _opt_level(value, values):
+    if value != values["opt_level"]:
+        raise ValueError(
+            f"opt_level override {value!r} disagrees with the selected opt level "
+            f"{values['opt_level']!r}; pass one opt_level."
+        )
+    return value
+
+
+def _cast_model_type(value, values):
+    if values["opt_level"] == "O1" and value not in (None, False, torch.float32):
+        raise RuntimeError(
+            "O1 inserts casts around Torch functions rather than model weights, so with O1, the "
+            "model weights themselves should remain FP32. If you wish to cast the model to a "
+            f"different type, use opt_level='O2' or 'O3'. cast_model_type was {value}"
+        )
+    if value is False:
+        return False
+    if value not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"cast_model_type={value!r} is not supported; pass torch.float16, torch.bfloat16, "
+            "torch.float32, or False to leave the model as it is."
+        )
+    return value
+
+
+def _patch_torch_functions(value, values):
+    value = _bool_option("patch_torch_functions", value)
+    if value and values["opt_level"] != "O1":
+        raise RuntimeError(
+            "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'."
+        )
+    return value
+
+
+def _keep_batchnorm_fp32(value, values):
+    if values["opt_level"] == "O1":
+        raise RuntimeError(
+            "With opt_level O1, batchnorm functions are automatically patched to run in FP32, so "
+            f"keep_batchnorm_fp32 should be None. keep_batchnorm_fp32 was {value}"
+        )
+    if value in ("True", "False") or isinstance(value, bool):
+        return _bool_option("keep_batchnorm_fp32", value)
+    raise ValueError(
+        "keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None, "
+        f"found keep_batchnorm_fp32={value}"
+    )
+
+
+def _master_weights(value, values):
+    if values["opt_level"] == "O1":
+        raise RuntimeError(
+            "It doesn't make sense to use master_weights with O1. With O1, your model weights "
+            "themselves should be FP32."
+        )
+    return _bool_option("master_weights", value)
+
+
+def _loss_scale(value, values):
+    return check_loss_scale(value)
+
+
+def check_loss_scale(value):
+    """'dynamic', or a number (or numeric string such as "128.0") that is finite and positive."""
+    if value == DYNAMIC:
+        return DYNAMIC
+    if isinstance(value, bool):
+        raise TypeError(f"loss_scale must be 'dynamic' or a positive number; got {value!r}.")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"loss_scale must be 'dynamic' or a positive number (e.g. 128.0 or \"128.0\"); "
+            f"got {value!r}."
+        ) from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"loss_scale must be finite and positive; got {value!r}.")
+    return scale
+
+
+_VALIDATORS = {
+    "enabled": _enabled,
+    "opt_level": _opt_level,
+    "cast_model_type": _cast_model_type,
+    "patch_torch_functions": _patch_torch_functions,
+    "keep_batchnorm_fp32": _keep_batchnorm_fp32,
+    "master_weights": _master_weights,
+    "loss_scale": _loss_scale,
+}
+
+
+def format_options(properties):
+    """apex's option dump: one '{name:22} : {value}' line per option."""
+    return "\n".join(f"{name:22} : {value}" for name, value in properties.options())
