@@ -1,0 +1,87 @@
+"""Casting policy for functions in `torch.nn.functional`. Data only: read by amp/lists/__init__.py.
+
+F.instance_norm and F.batch_norm are not listed: they accept low-precision inputs with FP32
+weights and statistics, which is what O2 keeps. F.embedding runs in its weight's dtype.
+"""
+
+MODULE = "torch.nn.functional"
+
+FP16_FUNCS = (
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_tbc",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "linear",
+    "prelu",
+    "scaled_dot_product_attention",
+)
+
+FP32_FUNCS = (
+    # Interpolation and sampling
+    "interpolate",
+    "grid_sample",
+    # Pointwise
+    "softplus",
+    "softmin",
+    "log_softmax",
+    "softmax",
+    "gelu",
+    # Normalisation
+    "layer_norm",
+    "rms_norm",
+    "group_norm",
+    "local_response_norm",
+    "normalize",
+    "cosine_similarity",
+    "pdist",
+    # Losses
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "cross_entropy",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "multilabel_soft_margin_loss",
+    "multi_margin_loss",
+    "nll_loss",
+    "binary_cross_entropy_with_logits",
+    "smooth_l1_loss",
+    "huber_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "ctc_loss",
+    # Pooling that torch's CPU autocast runs in FP32
+    "avg_pool3d",
+    "max_pool3d",
+    "max_unpool2d",
+    "max_unpool3d",
+    "adaptive_avg_pool3d",
+    "adaptive_max_pool3d",
+    "fractional_max_pool2d",
+    "fractional_max_pool3d",
+)
+
+CASTS = ("bilinear",)
+
+SEQUENCE_CASTS = ()
+
+BANNED_FUNCS = (
+    (
+        "binary_cross_entropy",
+        "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` "
+        "It requires that the output of the previous function be already a FloatTensor. \n\n"
+        "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
+        "    torch.nn.BCEWithLogitsLoss\n"
+        "to combine Sigmoid+BCELoss into a single layer that is compatible with amp.\n"
+        "Another option is to add\n"
+        "    amp.register_float_function(torch, 'sigmoid')\n"
+        "before calling `amp.initialize()`, or to compute the loss inside "
+        "`with amp.disable_casts():` on FP32 inputs.",
+    ),
+)

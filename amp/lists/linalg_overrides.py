@@ -1,0 +1,38 @@
+"""Casting policy for functions in `torch.linalg`. Data only: read by amp/lists/__init__.py."""
+
+MODULE = "torch.linalg"
+
+FP16_FUNCS = (
+    "vecdot",
+    "multi_dot",
+)
+
+FP32_FUNCS = (
+    "vector_norm",
+    "matrix_norm",
+    "norm",
+    "cond",
+    "matrix_rank",
+    "solve",
+    "cholesky",
+    "cholesky_ex",
+    "svdvals",
+    "eigvals",
+    "eigvalsh",
+    "inv",
+    "inv_ex",
+    "householder_product",
+    "tensorinv",
+    "tensorsolve",
+    "qr",
+    "svd",
+    "eig",
+    "eigh",
+    "lstsq",
+)
+
+CASTS = ()
+
+SEQUENCE_CASTS = ()
+
+BANNED_FUNCS = ()

@@ -1,0 +1,119 @@
+"""Casting policy for methods of `torch.Tensor`. Data only: read by amp/lists/__init__.py.
+
+In-place methods (`add_`, `__iadd__`, ...) are not listed: amp casts out-of-place calls only, as
+torch.amp does, so an in-place call always runs in its tensor's own dtype.
+"""
+
+MODULE = "torch.Tensor"
+
+FP16_FUNCS = (
+    "__matmul__",
+    "__rmatmul__",
+    "matmul",
+    "mm",
+    "mv",
+    "bmm",
+    "addmm",
+    "addmv",
+    "addr",
+    "baddbmm",
+    "addbmm",
+    "_addmm_activation",
+    "prelu",
+)
+
+FP32_FUNCS = (
+    # Pointwise
+    "__pow__",
+    "__rpow__",
+    "pow",
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    # Reductions and normalisation (an explicit dtype= runs as asked)
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "sum",
+    "prod",
+    "cumsum",
+    "cumprod",
+    "norm",
+    "renorm",
+    "dist",
+    "std",
+    "var",
+    "trace",
+    "quantile",
+    "nanquantile",
+    # Linear algebra and spectral ops without low-precision kernels
+    "stft",
+    "cholesky",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "inverse",
+    "pinverse",
+    "lu_solve",
+    "orgqr",
+    "ormqr",
+    "geqrf",
+    "qr",
+    "svd",
+    "triangular_solve",
+    # Cast to FP32 before a transfer to the CPU (apex)
+    "cpu",
+)
+
+CASTS = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "cross",
+    "dot",
+    "vdot",
+    "index_put",
+    "index_copy",
+    "scatter_add",
+    # Already promoted by torch's type promotion; listed because apex patched them.
+    "add",
+    "div",
+    "mul",
+    "eq",
+    "equal",
+    "ge",
+    "gt",
+    "le",
+    "lt",
+    "ne",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__div__",
+    "__rdiv__",
+    "__truediv__",
+    "__rtruediv__",
+    "__eq__",
+    "__ne__",
+    "__ge__",
+    "__gt__",
+    "__le__",
+    "__lt__",
+)
+
+SEQUENCE_CASTS = ()
+
+BANNED_FUNCS = ()

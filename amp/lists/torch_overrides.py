@@ -1,0 +1,150 @@
+"""Casting policy for functions in `torch`. Data only: read by amp/lists/__init__.py.
+
+Sources: apex.amp's lists (apex/amp/lists/torch_overrides.py) and the ops torch registers for
+autocast on CUDA and CPU (torch 2.13, ../shared/reference/autocast_registered_ops_torch2.13.json).
+"""
+
+MODULE = "torch"
+
+FP16_FUNCS = (
+    # Convolutions
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_tbc",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "convolution",
+    "cudnn_convolution",
+    "cudnn_convolution_transpose",
+    "prelu",
+    # BLAS
+    "addmm",
+    "addmv",
+    "addr",
+    "matmul",
+    "einsum",
+    "mm",
+    "mv",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "chain_matmul",
+    "_addmm_activation",
+    # RNN cells
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+    # Attention
+    "_scaled_dot_product_flash_attention",
+    "_native_multi_head_attention",
+)
+
+FP32_FUNCS = (
+    # Pointwise functions that lose accuracy or overflow in low precision
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "polar",
+    # Normalisation
+    "layer_norm",
+    "native_layer_norm",
+    "rms_norm",
+    "group_norm",
+    "norm",
+    "frobenius_norm",
+    "nuclear_norm",
+    "renorm",
+    "cosine_similarity",
+    # Reductions (an explicit dtype= runs as asked)
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "sum",
+    "prod",
+    "cumsum",
+    "cumprod",
+    "std",
+    "var",
+    "dist",
+    "pdist",
+    "cdist",
+    "trace",
+    "quantile",
+    "nanquantile",
+    # Losses
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "hinge_embedding_loss",
+    "kl_div",
+    "margin_ranking_loss",
+    "triplet_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "ctc_loss",
+    # Linear algebra and spectral ops without low-precision kernels
+    "stft",
+    "cholesky",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "inverse",
+    "pinverse",
+    "lu_solve",
+    "orgqr",
+    "ormqr",
+    "geqrf",
+    "qr",
+    "svd",
+    "triangular_solve",
+    # Pooling and quantisation that torch's CPU autocast runs in FP32
+    "max_pool3d",
+    "fake_quantize_per_tensor_affine",
+    # Not listed on purpose: view_as_complex (casting would turn a view into a copy).
+)
+
+CASTS = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "vdot",
+    "grid_sampler",
+    "index_put",
+    "index_copy",
+    "scatter_add",
+    "tensordot",
+    # Already promoted by torch's type promotion; listed because apex patched them.
+    "add",
+    "div",
+    "mul",
+    "eq",
+    "equal",
+    "ge",
+    "gt",
+    "le",
+    "lt",
+    "ne",
+)
+
+SEQUENCE_CASTS = (
+    "cat",
+    "stack",
+)
+
+BANNED_FUNCS = ()

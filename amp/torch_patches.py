@@ -1,0 +1,112 @@
+"""The O1 patch set: torch functions and Tensor methods wrapped from amp/lists and registrations.
+
+O1 and autocast regions share it. It is installed while anyone needs it (an O1 `initialize`, or
+any thread inside an enabled autocast region) and removed when the last user lets go, so outside
+those every torch attribute is the original object. Replacement functions are built once and
+reused, which makes entering a region after the first a matter of `setattr`s.
+"""
+
+import logging
+
+from . import lists
+from ._state import amp_state
+from .patching import PatchLedger
+from .wrappers import make_wrapper
+
+logger = logging.getLogger("amp")
+
+
+class TorchPatches:
+    def __init__(self):
+        self._users = 0
+        self._ledger = None
+        self._built = {}  # (namespace object id, name) -> AttributePatch, reused across installs
+        self._plan_cache = None
+
+    @property
+    def installed(self):
+        return self._ledger is not None
+
+    def acquire(self):
+        with amp_state.lock:
+            if self._users == 0:
+                self._install()
+            self._users += 1
+
+    def release(self):
+        with amp_state.lock:
+            if self._users <= 0:
+                raise RuntimeError("amp's torch patches were released more often than acquired")
+            self._users -= 1
+            if self._users == 0:
+                ledger, self._ledger = self._ledger, None
+                ledger.restore()
+
+    def refresh(self):
+        """Rebuild after a registration changed the plan; a no-op when nothing is installed."""
+        with amp_state.lock:
+            if self._ledger is not None:
+                self._ledger.restore()
+                self._ledger = None
+                self._forget()
+                self._install()
+            else:
+                self._forget()
+
+    def _forget(self):
+        self._built.clear()
+        self._plan_cache = None
+
+    def patched_names(self):
+        """Qualified names of the attributes currently patched."""
+        if self._ledger is None:
+            return []
+        return [entry.replacement.__amp_name__ for entry in self._ledger.attribute_patches()]
+
+    def _plan(self):
+        """(namespace object, name, kind, message, display name) for every patch to install."""
+        if self._plan_cache is None:
+            self._plan_cache = self._make_plan()
+        return self._plan_cache
+
+    def _make_plan(self):
+        registered = amp_state.user_registrations
+        overridden = {(id(namespace), name) for namespace, name in registered}
+        plan = []
+        for entry in lists.entries():
+            namespace = lists.resolve_namespace(entry.namespace)
+            if (id(namespace), entry.name) in overridden:
+                continue  # a user registration decides this one
+            if not hasattr(namespace, entry.name):
+                logger.debug("amp: %s is not in this torch; not patched", entry.qualified_name)
+                continue
+            plan.append((namespace, entry.name, entry.kind, entry.message, entry.qualified_name))
+        for (namespace, name), kind in registered.items():
+            display = f"{getattr(namespace, '__name__', type(namespace).__name__)}.{name}"
+            plan.append((namespace, name, kind, None, display))
+        return plan
+
+    def _install(self):
+        ledger = PatchLedger()
+        try:
+            plan = self._plan()
+            stale = set(map(id, ledger.reapply_all(self._built.values())))
+            for namespace, name, kind, message, display in plan:
+                key = (id(namespace), name)
+                built = self._built.get(key)
+                if built is not None and id(built) not in stale:
+                    continue
+
+                def make_replacement(original, kind=kind, display=display, message=message):
+                    wrapper = make_wrapper(original, kind, display, message)
+                    wrapper.__amp_name__ = display
+                    return wrapper
+
+                self._built[key] = ledger.patch(namespace, name, make_replacement)
+        except BaseException:
+            ledger.restore()
+            raise
+        self._ledger = ledger
+
+
+amp_state.torch_patches = TorchPatches()
