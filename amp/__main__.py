@@ -1,0 +1,52 @@
+"""`python -m amp`: versions, devices, and which kernel backend runs on CUDA tensors (and why)."""
+
+import importlib
+import platform
+import sys
+
+
+def _version(module_name):
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # not installed, or fails to import: say which
+        return f"not available ({type(error).__name__}: {error})"
+    return getattr(module, "__version__", "unknown version")
+
+
+def report():
+    import torch
+
+    import amp
+    from amp import kernels, lists
+
+    lines = [
+        f"amp {amp.__version__}",
+        f"python {platform.python_version()} ({sys.executable})",
+        f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})",
+        f"wrapt {_version('wrapt')}",
+        f"cupy {_version('cupy')}",
+        f"numpy {_version('numpy')}",
+    ]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            lines.append(
+                f"device cuda:{index}: {properties.name}, compute capability "
+                f"{properties.major}.{properties.minor}, {properties.total_memory / 2**30:.1f} GiB"
+            )
+    else:
+        lines.append("devices: cpu only (torch.cuda.is_available() is False)")
+    choice = kernels.cuda_backend()
+    lines.append(f"kernel backend on CUDA tensors: {choice.name} ({choice.reason})")
+    lines.append("kernel backend on CPU tensors: torch")
+    missing = lists.missing()
+    lines.append(
+        f"op tables: {sum(1 for _ in lists.entries())} entries, "
+        f"{len(missing)} not in this torch"
+        + (f" ({', '.join(entry.qualified_name for entry in missing)})" if missing else "")
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

@@ -1,0 +1,329 @@
+"""initialize / deinitialize / state_dict / load_state_dict / master_params: argument handling."""
+
+import collections
+import logging
+import re
+import warnings
+
+import torch
+
+from . import model as model_module
+from . import optimizer as optimizer_module
+from . import properties as properties_module
+from ._state import ThreadState, amp_state, logger
+from .casts import policy_for
+from .patching import PatchLedger
+from .scaler import LossScaler, check_state
+
+_VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
+_SCALER_KEY = re.compile(r"loss_scaler(\d+)\Z")
+
+
+def _as_list(value, kind):
+    """(list, was_list) with apex's rules: a list stays a list, one object becomes [object]."""
+    if isinstance(value, list):
+        return value, True
+    if isinstance(value, tuple):
+        raise TypeError(
+            f"{kind} must be either a single {kind[:-1]} or a list of {kind}, not a tuple."
+        )
+    return [value], False
+
+
+def _check_positive(name, value, allow_none):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number{' or None' if allow_none else ''}; got {value!r}.")
+    return float(value)
+
+
+def _check_arguments(verbosity, num_losses, cast_model_outputs):
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
+        raise ValueError(f"verbosity must be 0, 1 or 2; got {verbosity!r}.")
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses must be a positive int; got {num_losses!r}.")
+    if cast_model_outputs is not None and (
+        not isinstance(cast_model_outputs, torch.dtype) or not cast_model_outputs.is_floating_point
+    ):
+        raise ValueError(
+            f"cast_model_outputs must be a floating torch.dtype or None; got {cast_model_outputs!r}."
+        )
+
+
+def _parameter_names(models):
+    names = {}
+    for index, model in enumerate(models):
+        prefix = f"model{index}." if len(models) > 1 else ""
+        for name, param in model.named_parameters():
+            names.setdefault(id(param), prefix + name)
+    return names
+
+
+def _check_models_and_optimizers(models, optimizers):
+    for index, model in enumerate(models):
+        model_module.check_model(model, index)
+    if len({id(m) for m in models}) != len(models):
+        raise ValueError("amp.initialize: the same model appears twice in models.")
+    if len({id(o) for o in optimizers}) != len(optimizers):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+    owner = {}
+    for index, optimizer in enumerate(optimizers):
+        optimizer_module.check_optimizer(optimizer, index)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if owner.setdefault(id(param), index) != index:
+                    raise ValueError(
+                        "amp.initialize: a parameter appears in two optimizers "
+                        f"(optimizers[{owner[id(param)]}] and optimizers[{index}]); amp unscales "
+                        "and steps each parameter through one optimizer."
+                    )
+
+
+def _log_properties(base, properties, overrides):
+    logger.info("Selected optimization level %s", properties_module.OPT_LEVELS[base.opt_level].brief)
+    logger.info("Defaults for this optimization level are:\n%s", properties_module.format_options(base))
+    if overrides:
+        logger.info("Processing user overrides (additional kwargs that are not None)...")
+    logger.info(
+        "After processing overrides, optimization options are:\n%s",
+        properties_module.format_options(properties),
+    )
+
+
+def _set_verbosity(verbosity, ledger):
+    """Route amp's progress messages by `verbosity`; show them on stderr if nothing else would."""
+    previous_level = logger.level
+    logger.setLevel(_VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
+    ledger.add_undo("logger level", lambda: logger.setLevel(previous_level))
+    root_handles = logging.getLogger().handlers
+    own = [h for h in logger.handlers if not isinstance(h, logging.NullHandler)]
+    if verbosity > 0 and not root_handles and not own:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        ledger.add_undo("stderr handler", lambda: logger.removeHandler(handler))
+
+
+def initialize(
+    models,
+    optimizers=None,
+    enabled=True,
+    opt_level="O1",
+    cast_model_type=None,
+    patch_torch_functions=None,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+    loss_scale=None,
+    cast_model_outputs=None,
+    num_losses=1,
+    verbosity=1,
+    min_loss_scale=None,
+    max_loss_scale=2.0**24,
+    dtype=None,
+):
+    """Set models and optimizers up for mixed precision training at `opt_level`.
+
+    O0 trains in FP32; O1 casts around torch functions from the tables in `amp/lists`; O2 casts
+    the model to `dtype` (batch norm stays FP32) and steps FP32 master weights; O3 trains
+    everything in `dtype`. Options that are not None override the opt level's defaults, with
+    apex's validation. Nothing is modified when an error is raised; `amp.deinitialize()` undoes
+    everything.
+
+    Args:
+        models: an ``nn.Module`` or a list of them, not yet wrapped in (Distributed)DataParallel.
+        optimizers: a ``torch.optim.Optimizer``, a list of them, or None.
+        enabled (bool, default=True): False returns the arguments untouched and makes every
+            other amp call a no-op.
+        opt_level (str, default="O1"): "O0", "O1", "O2" or "O3" (the letter O).
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
+            overrides of the opt level's properties (see README's table).
+        cast_model_outputs (torch.dtype, optional): the dtype O0/O2/O3 models return (FP32).
+        num_losses (int, default=1): how many loss scalers (``scale_loss(loss_id=...)``).
+        verbosity (int, default=1): 0 silences amp's messages, 2 adds detail.
+        min_loss_scale, max_loss_scale (float): bounds of the dynamic loss scale.
+        dtype (torch.dtype, default=None): the low-precision type, torch.float16 (None) or
+            torch.bfloat16.
+
+    Returns:
+        The models and optimizers in the shapes they were passed (apex's rules).
+
+    Example::
+
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    """
+    if amp_state.initialized and amp_state.enabled:
+        raise RuntimeError(
+            "amp.initialize was already called and amp is active. Call amp.deinitialize() first, "
+            "or pass every model and optimizer in one amp.initialize call."
+        )
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False; got {enabled!r}.")
+    _check_arguments(verbosity, num_losses, cast_model_outputs)
+    if not enabled:
+        amp_state.reset()
+        amp_state.initialized = True
+        amp_state.verbosity = verbosity
+        return models if optimizers is None else (models, optimizers)
+
+    if amp_state.initialized:
+        amp_state.reset()  # forget an earlier initialize(enabled=False); it holds nothing
+    model_list, models_was_list = _as_list(models, "models")
+    optimizer_list, optimizers_was_list = (
+        ([], False) if optimizers is None else _as_list(optimizers, "optimizers")
+    )
+    overrides = {
+        name: value
+        for name, value in dict(
+            cast_model_type=cast_model_type,
+            patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            master_weights=master_weights,
+            loss_scale=loss_scale,
+        ).items()
+        if value is not None
+    }
+    base, properties = properties_module.resolve(opt_level, dtype, **overrides)
+    min_loss_scale = _check_positive("min_loss_scale", min_loss_scale, allow_none=True)
+    max_loss_scale = _check_positive("max_loss_scale", max_loss_scale, allow_none=True)
+    if min_loss_scale is not None and max_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}.")
+    _check_models_and_optimizers(model_list, optimizer_list)
+
+    ledger = PatchLedger()
+    try:
+        _set_verbosity(verbosity, ledger)
+        amp_state.verbosity = verbosity
+        _log_properties(base, properties, overrides)
+        _apply(properties, model_list, optimizer_list, cast_model_outputs, ledger)
+        amp_state.loss_scalers = [
+            LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
+            for _ in range(num_losses)
+        ]
+    except BaseException:
+        ledger.restore()
+        amp_state.reset()
+        raise
+    amp_state.initialized = True
+    amp_state.enabled = True
+    amp_state.properties = properties
+    amp_state.models = model_list
+    amp_state.ledger = ledger
+
+    model_result = model_list if models_was_list else model_list[0]
+    if optimizers is None:
+        return model_result
+    return model_result, (optimizer_list if optimizers_was_list else optimizer_list[0])
+
+
+def _apply(properties, models, optimizers, cast_model_outputs, ledger):
+    cast_dtype = properties.cast_model_type or None  # False and None: leave the model as it is
+    keep_bn = bool(properties.keep_batchnorm_fp32)
+    if cast_dtype is not None and cast_dtype is not torch.float32:
+        for model in models:
+            amp_state.cast_params.update(
+                id(p) for p in model_module.parameters_to_cast(model, keep_bn)
+            )
+    with_masters = amp_state.cast_params if properties.master_weights else set()
+    names = _parameter_names(models)
+    amp_state.optimizers = [
+        optimizer_module.instrument(optimizer, with_masters, names, ledger)
+        for optimizer in optimizers
+    ]
+    for model in models:
+        if cast_dtype is not None and cast_dtype is not torch.float32:
+            model_module.cast_model(model, cast_dtype, keep_bn, ledger)
+            model_module.register_state_dict_hooks(model, ledger)
+        if cast_dtype is not None or cast_model_outputs is not None:
+            model_module.cast_forward(
+                model, cast_dtype, cast_model_outputs or torch.float32, ledger
+            )
+    for optimizer in optimizers:
+        optimizer_module.match_state_to_params(optimizer)  # state made before the model cast
+    if properties.patch_torch_functions:
+        amp_state.torch_patches.acquire()
+        ledger.add_undo("torch patches", amp_state.torch_patches.release)
+        ThreadState.policy = policy_for(properties.dtype)
+        ledger.add_undo("O1 policy", lambda: setattr(ThreadState, "policy", None))
+
+
+def deinitialize():
+    """Undo `amp.initialize` completely.
+
+    Every patched torch attribute is the original object again, model hooks are removed,
+    optimizers are plain optimizers again, and O2 models get their FP32 weights back from the
+    masters. Afterwards `amp.initialize` may be called again. A no-op when amp is not initialized.
+    """
+    with amp_state.lock:
+        ledger = amp_state.ledger
+        amp_state.cast_cache.clear()
+        try:
+            if ledger is not None:
+                ledger.restore()
+        finally:
+            amp_state.reset()
+
+
+def _check_initialized(caller):
+    if not amp_state.initialized:
+        raise RuntimeError(f"{caller} needs amp.initialize(...) to have been called first.")
+
+
+def state_dict(destination=None):
+    """The loss scalers' state: {"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}.
+
+    Plain Python values only (readable with ``torch.load(..., weights_only=True)``); apex's format.
+    """
+    _check_initialized("amp.state_dict()")
+    if destination is None:
+        destination = collections.OrderedDict()
+    for index, scaler in enumerate(amp_state.loss_scalers):
+        destination[f"loss_scaler{index}"] = scaler.state_dict()
+    return destination
+
+
+def load_state_dict(state_dict):
+    """Load what `amp.state_dict()` (or apex's) saved. A malformed dict raises and loads nothing."""
+    _check_initialized("amp.load_state_dict()")
+    if not amp_state.enabled:
+        return
+    if not isinstance(state_dict, collections.abc.Mapping):
+        raise TypeError(
+            f"amp.load_state_dict expects the dict amp.state_dict() returned; got "
+            f"{type(state_dict).__name__}."
+        )
+    unexpected = [key for key in state_dict if not (isinstance(key, str) and _SCALER_KEY.match(key))]
+    if unexpected:
+        raise RuntimeError(
+            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+            + ", ".join(f'"{key}"' for key in unexpected)
+            + ". "
+        )
+    entries = {int(_SCALER_KEY.match(key).group(1)): check_state(key, value)
+               for key, value in state_dict.items()}
+    scalers = amp_state.loss_scalers
+    if len(entries) != len(scalers):
+        warnings.warn(
+            f"state_dict contains {len(entries)} entries, while {len(scalers)} loss_scalers are used",
+            stacklevel=2,
+        )
+    for index, entry in sorted(entries.items()):
+        if index >= len(scalers):
+            warnings.warn(
+                f"Skipping loss_scaler[{index}], since num_losses was set to {len(scalers)}",
+                stacklevel=2,
+            )
+            continue
+        scalers[index].load_state_dict(entry)
+
+
+def master_params(optimizer):
+    """Yield the parameters `optimizer` steps: the FP32 masters under O2 (for gradient clipping).
+
+    Example::
+
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+    """
+    if not hasattr(optimizer, "param_groups"):
+        raise TypeError(f"amp.master_params expects an optimizer; got {type(optimizer).__name__}.")
+    return (param for group in optimizer.param_groups for param in group["params"])

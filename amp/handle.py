@@ -1,0 +1,119 @@
+"""scale_loss: scale a loss for backward, then unscale, check and (on overflow) skip."""
+
+import contextlib
+
+import torch
+
+from ._state import amp_state
+from .scaler import OverflowFlag
+
+
+def _records(optimizers):
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    elif not isinstance(optimizers, (list, tuple)):
+        raise TypeError(
+            "amp.scale_loss: optimizers must be an optimizer or a list of optimizers returned "
+            f"by amp.initialize; got {type(optimizers).__name__}."
+        )
+    records, seen = [], set()
+    for optimizer in optimizers:
+        record = vars(optimizer).get("_amp_record") if hasattr(optimizer, "__dict__") else None
+        if record is None:
+            raise TypeError(
+                f"amp.scale_loss: {type(optimizer).__name__} was not passed to amp.initialize; "
+                "pass every optimizer that owns parameters of this loss to amp.initialize."
+            )
+        if id(record) not in seen:
+            seen.add(id(record))
+            records.append(record)
+    return records
+
+
+def _synchronise_across_ranks(flag):
+    # Under DDP every rank must take the same skip decision and scale trajectory, even when only
+    # one rank saw the overflow (e.g. an inf produced after the gradient all-reduce).
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        if distributed.get_world_size() > 1:
+            distributed.all_reduce(flag.tensor, op=distributed.ReduceOp.MAX)
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False
+):
+    """Scale `loss` for backward; on exit unscale the new gradients and check them.
+
+    Yields ``loss.float() * loss_scale``. On exit the gradients this backward produced are
+    unscaled in place (O2: into the FP32 master gradients), gradients accumulated earlier are
+    kept apart meanwhile and added back afterwards, and the new ones are checked for inf/NaN. An
+    overflow makes the next ``step()`` of every optimizer passed here a no-op and halves the
+    loss scale. If the block raises, gradients are put back as they were.
+
+    Args:
+        loss (Tensor): the loss.
+        optimizers: the optimizer (or list of optimizers) owning the parameters that receive
+            gradients from this loss.
+        loss_id (int, optional, default=0): which loss scaler to use, below `num_losses`.
+        model: unused (reserved, as in apex).
+        delay_unscale (bool, optional, default=False): leave the gradients scaled, to be
+            unscaled by a later `scale_loss` before `step()` (gradient accumulation).
+        delay_overflow_check (bool, optional, default=False): unscale, but neither check for
+            overflow nor change the scale.
+
+    Example::
+
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+
+    .. note:: The overflow flag stays on the device; the only host sync is at ``step()``.
+    """
+    if not amp_state.initialized:
+        raise RuntimeError(
+            "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
+            "before `with amp.scale_loss`."
+        )
+    if not amp_state.enabled:
+        yield loss
+        return
+    records = _records(optimizers)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not (
+        0 <= loss_id < len(amp_state.loss_scalers)
+    ):
+        raise ValueError(
+            f"amp.scale_loss: loss_id={loss_id!r} is out of range; amp.initialize was called "
+            f"with num_losses={len(amp_state.loss_scalers)}, so use 0 to "
+            f"{len(amp_state.loss_scalers) - 1}."
+        )
+    scaler = amp_state.loss_scalers[loss_id]
+    try:
+        if scaler.is_identity and not any(record.master_pairs for record in records):
+            yield loss.float()  # nothing to scale or check (O0 and O3 by default)
+            return
+        for record in records:
+            if not record.params_have_scaled_gradients:
+                record.prepare_backward()
+        try:
+            yield scaler.scale(loss)
+        except BaseException:
+            for record in records:
+                record.discard_backward()
+            raise
+        if delay_unscale:
+            for record in records:
+                record.params_have_scaled_gradients = True
+            return
+        flag = OverflowFlag(loss.device)
+        for record in records:
+            record.unscale_gradients(scaler, flag)
+            record.params_have_scaled_gradients = False
+        if scaler.dynamic and not delay_overflow_check:
+            _synchronise_across_ranks(flag)
+            scaler.update(flag)
+            for record in records:
+                record.pending.append((loss_id, flag))
+    finally:
+        amp_state.cast_cache.clear()

@@ -1,0 +1,173 @@
+"""Multi-tensor kernels for loss scaling and master weights.
+
+`unscale_`, `unscale_to_`, `unscale_add_`, `copy_` and `l2_norm` run as CuPy RawKernels on CUDA
+tensors when CuPy can be used, and on torch operations otherwise (CPU, no CuPy, or
+`AMP_DISABLE_KERNELS=1`), with the same results. Overflow flags stay on the device: nothing here
+waits for the GPU. Importing this package imports neither CuPy nor touches CUDA; the CuPy backend
+is probed on the first call with CUDA tensors.
+"""
+
+import os
+
+import torch
+
+from .._state import amp_state
+from . import _torch_backend
+
+DISABLE_ENV = "AMP_DISABLE_KERNELS"
+
+__all__ = ["unscale_", "unscale_to_", "unscale_add_", "copy_", "l2_norm", "cuda_backend"]
+
+
+class BackendChoice:
+    """Which implementation runs on CUDA tensors, and why."""
+
+    def __init__(self, name, module, reason):
+        self.name = name  # "cupy" or "torch"
+        self.module = module
+        self.reason = reason
+
+    def __repr__(self):
+        return f"BackendChoice({self.name!r}, reason={self.reason!r})"
+
+
+def _probe_cuda_backend():
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return BackendChoice("torch", _torch_backend, f"{DISABLE_ENV} is set")
+    if not torch.cuda.is_available():
+        return BackendChoice("torch", _torch_backend, "CUDA is not available")
+    try:
+        from . import _cupy_backend
+
+        reason = _cupy_backend.check()
+    except Exception as error:  # ImportError, CUDA/NVRTC errors: all mean "use torch"
+        return BackendChoice(
+            "torch",
+            _torch_backend,
+            f"CuPy cannot be used ({type(error).__name__}: {error}); "
+            "install the extra with `pip install amp[cuda]` for the fused kernels",
+        )
+    return BackendChoice("cupy", _cupy_backend, reason)
+
+
+def cuda_backend():
+    """The BackendChoice for CUDA tensors (probed once per process)."""
+    choice = amp_state.cuda_kernels
+    if choice is None:
+        choice = amp_state.cuda_kernels = _probe_cuda_backend()
+    return choice
+
+
+def _backend(device):
+    return cuda_backend().module if device.type == "cuda" else _torch_backend
+
+
+def _by_device(*lists):
+    """Group parallel lists of tensors by the device of the first list's tensors."""
+    first = lists[0]
+    device = first[0].device
+    if all(tensor.device == device for tensor in first):
+        return [(device, lists)]
+    groups = {}
+    for index, tensor in enumerate(first):
+        groups.setdefault(tensor.device, []).append(index)
+    return [
+        (device, tuple([values[i] for i in indices] for values in lists))
+        for device, indices in groups.items()
+    ]
+
+
+def _flagged(function, lists, inv_scale, found_inf):
+    """Run `function(*lists, inv_scale, flag)` per device, collecting every flag in found_inf."""
+    for device, group in _by_device(*lists):
+        if device == found_inf.device:
+            function(*group, inv_scale.to(device, non_blocking=True), found_inf)
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+            function(*group, inv_scale.to(device, non_blocking=True), local)
+            found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+
+
+def unscale_(tensors, inv_scale, found_inf):
+    """Multiply `tensors` in place by `inv_scale` and set `found_inf` to 1 if any holds inf/NaN.
+
+    The semantics of `torch._amp_foreach_non_finite_check_and_unscale_`: float32, float16 and
+    bfloat16 tensors (mixed is fine), arithmetic in float32, every element written even when a
+    non-finite value is found, `found_inf` (a float32 1-element tensor) only ever set, never
+    cleared. `inv_scale` is a float32 1-element tensor.
+    """
+    if tensors:
+        _flagged(lambda group, inv, flag: _backend(group[0].device).unscale_(group, inv, flag),
+                 (tensors,), inv_scale, found_inf)
+
+
+def unscale_to_(sources, destinations, inv_scale, found_inf):
+    """destinations = sources * inv_scale: model gradients into FP32 master gradients.
+
+    `sources` are checked for inf/NaN. Lists are parallel; shapes must match.
+    """
+    if sources:
+        _check_parallel(sources, destinations)
+        _flagged(
+            lambda src, dst, inv, flag: _backend(src[0].device).unscale_to_(src, dst, inv, flag),
+            (sources, destinations),
+            inv_scale,
+            found_inf,
+        )
+
+
+def unscale_add_(sources, destinations, inv_scale, found_inf):
+    """destinations += sources * inv_scale, multiply and add rounded separately.
+
+    Accumulates a new (scaled) gradient into gradients kept from earlier backward passes; only
+    `sources` are checked for inf/NaN.
+    """
+    if sources:
+        _check_parallel(sources, destinations)
+        _flagged(
+            lambda src, dst, inv, flag: _backend(src[0].device).unscale_add_(src, dst, inv, flag),
+            (sources, destinations),
+            inv_scale,
+            found_inf,
+        )
+
+
+def copy_(sources, destinations):
+    """destinations = sources, rounded to nearest even: FP32 masters into FP16/BF16 model params."""
+    if sources:
+        _check_parallel(sources, destinations)
+        for device, (src, dst) in _by_device(sources, destinations):
+            _backend(device).copy_(src, dst)
+
+
+def l2_norm(tensors):
+    """The L2 norm of all elements of `tensors`, as a float32 0-dim tensor on their device.
+
+    Accumulates in float32 whatever the tensors' dtype. For gradient clipping:
+    `amp.kernels.l2_norm([p.grad for p in amp.master_params(optimizer) if p.grad is not None])`.
+    """
+    if not tensors:
+        raise ValueError("l2_norm needs at least one tensor")
+    groups = _by_device(tensors)
+    if len(groups) > 1:
+        raise ValueError(
+            "l2_norm takes tensors on one device; got tensors on "
+            f"{sorted(str(device) for device, _ in groups)}"
+        )
+    device, (group,) = groups[0]
+    return _backend(device).l2_norm(group)
+
+
+def _check_parallel(sources, destinations):
+    if len(sources) != len(destinations):
+        raise ValueError(
+            f"expected as many destinations as sources, got {len(sources)} sources and "
+            f"{len(destinations)} destinations"
+        )
+    for index, (source, destination) in enumerate(zip(sources, destinations)):
+        if source.shape != destination.shape or source.device != destination.device:
+            raise ValueError(
+                f"source {index} ({tuple(source.shape)} on {source.device}) and destination "
+                f"{index} ({tuple(destination.shape)} on {destination.device}) must have the "
+                "same shape and device"
+            )

@@ -1,0 +1,401 @@
+"""Optimizer instrumentation: FP32 master weights, the gradient stash of scale_loss, skipped
+steps, and state dicts that carry the master weights."""
+
+import types
+
+import torch
+
+from . import kernels
+from ._state import amp_state, logger
+from .autocast import policy_scope
+from .diagnostics import OverflowReport
+
+MASTER_PARAMS_KEY = "amp_master_params"
+_PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+
+
+def check_optimizer(optimizer, index):
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "amp.initialize: optimizers must be a torch.optim.Optimizer or a list of them; "
+            f"optimizers[{index}] is a {type(optimizer).__name__}."
+        )
+    if "_amp_record" in vars(optimizer):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+    for name in _PATCHED_METHODS:
+        if name in vars(optimizer):
+            raise RuntimeError(
+                f"Incoming optimizer already has {name} defined on the instance (by another "
+                "wrapper?). Pass the bare optimizer to amp.initialize and wrap it afterwards."
+            )
+
+
+def _new_master(param):
+    master = torch.nn.Parameter(param.detach().clone().float(), requires_grad=param.requires_grad)
+    if param.grad is not None:
+        master.grad = param.grad.detach().float()
+    return master
+
+
+class OptimizerRecord:
+    """amp's bookkeeping for one optimizer."""
+
+    def __init__(self, optimizer, names):
+        self.optimizer = optimizer
+        self.names = names  # id(model parameter) -> qualified name, for overflow reports
+        self.master_pairs = []  # (model parameter, FP32 master) for O2
+        self.originals = {}  # the optimizer's own methods, called by the patched ones
+        self.stash = None  # (param, gradient) kept apart during a scale_loss block
+        self.params_have_scaled_gradients = False  # set by scale_loss(delay_unscale=True)
+        self.pending = []  # (loss_id, OverflowFlag) to check at the next step
+        self._plain_cache = (None, [])
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    def add_master(self, param, master):
+        self.master_pairs.append((param, master))
+        amp_state.masters[id(param)] = master
+
+    def plain_params(self):
+        """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
+        groups = self.optimizer.param_groups
+        signature = tuple(len(group["params"]) for group in groups)
+        cached_signature, params = self._plain_cache
+        if signature != cached_signature:
+            masters = {id(master) for _, master in self.master_pairs}
+            params = [p for group in groups for p in group["params"] if id(p) not in masters]
+            self._plain_cache = (signature, params)
+        return params
+
+    def param_name(self, param):
+        for model_param, master in self.master_pairs:
+            if master is param:
+                param = model_param
+                break
+        name = self.names.get(id(param))
+        if name is None:
+            for group_index, group in enumerate(self.optimizer.param_groups):
+                for param_index, candidate in enumerate(group["params"]):
+                    if candidate is param:
+                        return f"param_groups[{group_index}]['params'][{param_index}]"
+        return name
+
+    def give_back_model_params(self):
+        """Undo of master creation: the optimizer steps the model's own parameters again."""
+        state = self.optimizer.state
+        for model_param, master in self.master_pairs:
+            for group in self.optimizer.param_groups:
+                group["params"] = [model_param if p is master else p for p in group["params"]]
+            if master in state:
+                state[model_param] = state.pop(master)
+            if model_param.dtype is torch.float32:
+                model_param.grad = master.grad
+            amp_state.masters.pop(id(model_param), None)
+        self.master_pairs = []
+        self._plain_cache = (None, [])
+
+    # -- backward protocol of scale_loss ------------------------------------------------------
+
+    def prepare_backward(self):
+        """Keep existing gradients apart, so this backward writes only its own into `.grad`."""
+        self.stash = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
+        for param, _ in self.stash:
+            param.grad = None
+        for model_param, _ in self.master_pairs:
+            model_param.grad = None  # scaled leftovers from outside scale_loss are meaningless
+
+    def discard_backward(self):
+        """The block raised: put the gradients back as they were before it."""
+        if self.stash is None:
+            return
+        for param in self.plain_params():
+            param.grad = None
+        for param, grad in self.stash:
+            param.grad = grad
+        for model_param, _ in self.master_pairs:
+            model_param.grad = None
+        self.stash = None
+
+    def unscale_gradients(self, scaler, flag):
+        """Unscale this backward's gradients into place and add back the ones kept apart.
+
+        O2: model gradients become (or are added to) the FP32 master gradients and are dropped.
+        Only the new gradients are checked for inf/NaN; `flag` records what is found.
+        """
+        inv_scale = scaler.inv_scale(flag.tensor.device)
+        plain = [p.grad for p in self.plain_params() if p.grad is not None]
+        kernels.unscale_(plain, inv_scale, flag.tensor)
+        if self.stash:
+            new, kept = [], []
+            for param, grad in self.stash:
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    new.append(param.grad)
+                    kept.append(grad)
+            if new:
+                torch._foreach_add_(new, kept)  # new + kept == kept + new, bit for bit
+        self.stash = None
+        if self.master_pairs:
+            fresh_sources, fresh, add_sources, add_to = [], [], [], []
+            for model_param, master in self.master_pairs:
+                grad = model_param.grad
+                if grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = torch.empty_like(master)
+                    fresh_sources.append(grad)
+                    fresh.append(master.grad)
+                else:
+                    add_sources.append(grad)
+                    add_to.append(master.grad)
+                model_param.grad = None
+            kernels.unscale_to_(fresh_sources, fresh, inv_scale, flag.tensor)
+            kernels.unscale_add_(add_sources, add_to, inv_scale, flag.tensor)
+
+    # -- step ---------------------------------------------------------------------------------
+
+    def step(self):
+        overflowed = self._take_overflows()
+        if overflowed:
+            self._skip(overflowed)
+            return None
+        with policy_scope(None):  # optimizer arithmetic is never cast
+            result = self.originals["step"]()
+        if self.master_pairs:
+            models = [model_param for model_param, _ in self.master_pairs]
+            masters = [master for _, master in self.master_pairs]
+            with torch.no_grad():
+                kernels.copy_(masters, models)
+            for master in masters:
+                master.grad = None  # no model.zero_grad() reaches these (apex did the same)
+        amp_state.cast_cache.clear()  # the weights changed
+        return result
+
+    def _take_overflows(self):
+        pending, self.pending = self.pending, []
+        return [(loss_id, flag) for loss_id, flag in pending if flag.is_set()]
+
+    def _skip(self, overflowed):
+        grads = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
+        grads += [(master, master.grad) for _, master in self.master_pairs if master.grad is not None]
+        names = self._nonfinite_names(grads)
+        for _, master in self.master_pairs:
+            master.grad = None
+        for loss_id, flag in overflowed:
+            params = names
+            previous = amp_state.last_overflow
+            if previous is not None and previous.flag is flag:  # another optimizer of that loss
+                params = previous.params + tuple(n for n in names if n not in previous.params)
+            report = OverflowReport(loss_id, params, amp_state.loss_scalers[loss_id].loss_scale())
+            report.flag = flag
+            amp_state.last_overflow = report
+            message = (
+                f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale "
+                f"to {report.loss_scale}"
+            )
+            if amp_state.verbosity >= 2:
+                message += f"; non-finite gradients in: {', '.join(names) or 'none left'}"
+            if amp_state.verbosity >= 1:
+                logger.info(message)
+
+    def _nonfinite_names(self, grads):
+        # Only on a skipped step: one reduction and one sync over this optimizer's gradients.
+        if not grads:
+            return ()
+        bad = torch.stack([(~torch.isfinite(g)).any().cpu() for _, g in grads]).tolist()
+        return tuple(self.param_name(p) for (p, _), is_bad in zip(grads, bad) if is_bad)
+
+    # -- state dict ---------------------------------------------------------------------------
+
+    def master_indices(self):
+        """{index in the optimizer's state dict: (model param, master)} for every master."""
+        pairs = {id(master): (model_param, master) for model_param, master in self.master_pairs}
+        found = {}
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        for index, param in enumerate(params):
+            if id(param) in pairs:
+                found[index] = pairs[id(param)]
+        return found
+
+    def state_dict(self):
+        state = self.originals["state_dict"]()
+        if self.master_pairs:
+            state[MASTER_PARAMS_KEY] = {
+                index: master.detach() for index, (_, master) in self.master_indices().items()
+            }
+        return state
+
+    def load_state_dict(self, state_dict):
+        masters = state_dict.get(MASTER_PARAMS_KEY) if hasattr(state_dict, "get") else None
+        plan = self._check_masters(masters) if masters is not None else []
+        if masters is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
+        self.originals["load_state_dict"](state_dict)
+        if plan:
+            with torch.no_grad():
+                for value, model_param, master in plan:
+                    master.copy_(value)
+                kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
+        self._plain_cache = (None, [])
+        amp_state.cast_cache.clear()
+
+    def _check_masters(self, masters):
+        if not isinstance(masters, dict):
+            raise TypeError(
+                f"optimizer.load_state_dict: {MASTER_PARAMS_KEY!r} must map parameter indices "
+                f"to tensors; got {type(masters).__name__}."
+            )
+        here = self.master_indices()
+        plan = []
+        for index, value in masters.items():
+            if index not in here:
+                raise ValueError(
+                    f"optimizer.load_state_dict: the checkpoint has an FP32 master weight for "
+                    f"parameter {index!r}, which is not an O2 master here (this optimizer has "
+                    f"masters for {sorted(here)}). Load it into an optimizer set up the same way."
+                )
+            model_param, master = here[index]
+            if not isinstance(value, torch.Tensor) or value.shape != master.shape:
+                raise ValueError(
+                    f"optimizer.load_state_dict: master weight {index} has shape "
+                    f"{getattr(value, 'shape', type(value).__name__)}, expected "
+                    f"{tuple(master.shape)}."
+                )
+            if not value.is_floating_point():
+                raise ValueError(f"optimizer.load_state_dict: master weight {index} is not floating.")
+            plan.append((value, model_param, master))
+        return plan
+
+    # -- the rest of the optimizer API --------------------------------------------------------
+
+    def zero_grad(self, set_to_none=True):
+        self.originals["zero_grad"](set_to_none)
+        for model_param, _ in self.master_pairs:
+            if set_to_none:
+                model_param.grad = None
+            elif model_param.grad is not None:
+                model_param.grad.detach_()
+                model_param.grad.zero_()
+
+    def add_param_group(self, param_group):
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param group must be a dict; got {type(param_group).__name__}.")
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError(
+                "optimizer parameters need to be organized in ordered collections, but the "
+                "ordering of tensors in sets will change between runs. Please use a list instead."
+            )
+        else:
+            params = list(params) if params is not None else params
+        new_pairs = []
+        if amp_state.properties.master_weights:
+            for i, param in enumerate(params or ()):
+                if id(param) in amp_state.cast_params and id(param) not in amp_state.masters:
+                    master = _new_master(param)
+                    new_pairs.append((param, master))
+                    params[i] = master
+        group = dict(param_group, params=params)
+        self.originals["add_param_group"](group)
+        for param, master in new_pairs:
+            self.add_master(param, master)
+        self._plain_cache = (None, [])
+
+
+def _record(optimizer):
+    return vars(optimizer).get("_amp_record")
+
+
+def _amp_step(self, *args, **kwargs):
+    record = _record(self)
+    if record is None:  # amp.deinitialize() ran, or this is a copy: a plain optimizer
+        return type(self).step(self, *args, **kwargs)
+    closure = kwargs.get("closure", args[0] if args else None)
+    if closure is not None:
+        raise RuntimeError(
+            "Currently, Amp does not support closure use with optimizers. Call backward inside "
+            "`with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no closure."
+        )
+    return record.step()
+
+
+def _amp_zero_grad(self, set_to_none=True):
+    record = _record(self)
+    if record is None:
+        return type(self).zero_grad(self, set_to_none)
+    return record.zero_grad(set_to_none)
+
+
+def _amp_state_dict(self):
+    record = _record(self)
+    return type(self).state_dict(self) if record is None else record.state_dict()
+
+
+def _amp_load_state_dict(self, state_dict):
+    record = _record(self)
+    if record is None:
+        return type(self).load_state_dict(self, state_dict)
+    return record.load_state_dict(state_dict)
+
+
+def _amp_add_param_group(self, param_group):
+    record = _record(self)
+    if record is None:
+        return type(self).add_param_group(self, param_group)
+    return record.add_param_group(param_group)
+
+
+_REPLACEMENTS = {
+    "step": _amp_step,
+    "zero_grad": _amp_zero_grad,
+    "state_dict": _amp_state_dict,
+    "load_state_dict": _amp_load_state_dict,
+    "add_param_group": _amp_add_param_group,
+}
+
+
+def match_state_to_params(optimizer):
+    """Cast floating optimizer state to its parameter's dtype, as torch's load_state_dict does."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if (
+                key != "step"
+                and isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and value.dtype != param.dtype
+            ):
+                state[key] = value.to(param.dtype)
+
+
+def instrument(optimizer, params_with_masters, names, ledger):
+    """Set `optimizer` up for amp: FP32 masters for `params_with_masters` (ids), patched methods.
+
+    Must run before the model is cast, so the masters are the exact FP32 weights.
+    """
+    record = OptimizerRecord(optimizer, names)
+    # Runs last on undo, after the model has its FP32 weights back.
+    ledger.add_undo("optimizer state in the parameters' dtype", lambda: match_state_to_params(optimizer))
+    if params_with_masters:
+        ledger.add_undo("optimizer steps its model parameters again", record.give_back_model_params)
+        for group in optimizer.param_groups:
+            for index, param in enumerate(group["params"]):
+                if id(param) in params_with_masters:
+                    master = _new_master(param)
+                    param.grad = None
+                    group["params"][index] = master
+                    if param in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(param)
+                    record.add_master(param, master)
+    for name in _PATCHED_METHODS:
+        record.originals[name] = getattr(optimizer, name)
+        ledger.patch(
+            optimizer,
+            name,
+            lambda original, function=_REPLACEMENTS[name]: types.MethodType(function, optimizer),
+        )
+    vars(optimizer)["_amp_record"] = record
+    ledger.add_undo("forget the optimizer", lambda: vars(optimizer).pop("_amp_record", None))
+    return record

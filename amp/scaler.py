@@ -1,0 +1,145 @@
+"""LossScaler: static or dynamic loss scaling, with the scale and its updates kept on the device."""
+
+import math
+
+import torch
+
+DEFAULT_INIT_SCALE = 2.0**16
+DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
+
+
+class OverflowFlag:
+    """A float32 device flag set by the unscale kernels; read (one sync) at most once."""
+
+    __slots__ = ("tensor", "_value")
+
+    def __init__(self, device):
+        self.tensor = torch.zeros((), dtype=torch.float32, device=device)
+        self._value = None
+
+    def is_set(self):
+        if self._value is None:
+            self._value = bool(self.tensor.item())
+        return self._value
+
+
+class LossScaler:
+    """One loss scale: static (a fixed float) or dynamic (apex's rule).
+
+    Dynamic: start at min(init_scale, max_loss_scale); on an overflow halve (never below
+    min_loss_scale) and restart the count; after `growth_interval` consecutive clean updates
+    double (never above max_loss_scale). The scale and the count live in tensors on the device
+    of the first loss scaled, and `update` runs there, so scaling never waits for the GPU.
+    """
+
+    def __init__(
+        self,
+        loss_scale,
+        min_loss_scale=None,
+        max_loss_scale=2.0**24,
+        init_scale=DEFAULT_INIT_SCALE,
+        growth_interval=DEFAULT_GROWTH_INTERVAL,
+    ):
+        self.dynamic = loss_scale == "dynamic"
+        self.min_loss_scale = min_loss_scale
+        self.max_loss_scale = max_loss_scale
+        self.growth_interval = growth_interval
+        if self.dynamic:
+            start = init_scale if max_loss_scale is None else min(max_loss_scale, init_scale)
+            if min_loss_scale is not None:
+                start = max(min_loss_scale, start)
+        else:
+            start = float(loss_scale)
+        self._init_scale = start
+        self._init_unskipped = 0
+        self._scale = None  # float32 0-dim tensor, created on first use (dynamic only)
+        self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
+
+    @property
+    def is_identity(self):
+        """True for a static scale of 1.0: nothing to scale, nothing to check."""
+        return not self.dynamic and self._init_scale == 1.0
+
+    def _tensors(self, device):
+        if self._scale is None:
+            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+            self._unskipped = torch.full((), self._init_unskipped, dtype=torch.int32, device=device)
+        return self._scale
+
+    def device(self):
+        return None if self._scale is None else self._scale.device
+
+    def scale(self, loss):
+        """loss.float() * scale."""
+        if not self.dynamic:
+            return loss.float() * self._init_scale
+        scale = self._tensors(loss.device)
+        return loss.float() * scale.to(loss.device, non_blocking=True)
+
+    def inv_scale(self, device):
+        """1 / scale as a float32 1-element tensor (computed in float64, as torch does)."""
+        if not self.dynamic:
+            return torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
+        scale = self._tensors(device)
+        return scale.double().reciprocal().float().to(device, non_blocking=True)
+
+    def update(self, flag):
+        """Back off or grow according to `flag` (an OverflowFlag), on the device; no sync."""
+        if not self.dynamic:
+            return
+        scale = self._tensors(flag.tensor.device)
+        found_inf = flag.tensor.to(scale.device, non_blocking=True)
+        torch._amp_update_scale_(
+            scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval
+        )
+        if self.min_loss_scale is not None or self.max_loss_scale is not None:
+            scale.clamp_(min=self.min_loss_scale, max=self.max_loss_scale)
+
+    def loss_scale(self):
+        """The current scale as a float (reads the device: a sync on CUDA)."""
+        return self._init_scale if self._scale is None else self._scale.item()
+
+    def unskipped(self):
+        """Clean updates since the scale last changed (0 for static scalers)."""
+        return self._init_unskipped if self._unskipped is None else int(self._unskipped.item())
+
+    def state_dict(self):
+        return {"loss_scale": self.loss_scale(), "unskipped": self.unskipped()}
+
+    def load_state_dict(self, state):
+        """Load a validated {"loss_scale", "unskipped"} entry (see check_state)."""
+        self._init_scale = float(state["loss_scale"])
+        self._init_unskipped = int(state["unskipped"])
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._unskipped.fill_(self._init_unskipped)
+
+
+def check_state(key, state):
+    """Raise a clear error if `state` is not a loss scaler entry {"loss_scale", "unskipped"}."""
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"amp.load_state_dict: entry {key!r} must be a dict with keys 'loss_scale' and "
+            f"'unskipped'; got {type(state).__name__}."
+        )
+    missing = {"loss_scale", "unskipped"} - set(state)
+    if missing:
+        raise ValueError(f"amp.load_state_dict: entry {key!r} lacks {sorted(missing)}.")
+    scale, unskipped = state["loss_scale"], state["unskipped"]
+    if isinstance(scale, torch.Tensor):
+        scale = scale.item()
+    if isinstance(unskipped, torch.Tensor):
+        unskipped = unskipped.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+        math.isfinite(scale) and scale > 0
+    ):
+        raise ValueError(
+            f"amp.load_state_dict: {key!r}['loss_scale'] must be a finite positive number; "
+            f"got {state['loss_scale']!r}."
+        )
+    if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
+        raise ValueError(
+            f"amp.load_state_dict: {key!r}['unskipped'] must be a non-negative int; "
+            f"got {state['unskipped']!r}."
+        )
+    return {"loss_scale": float(scale), "unskipped": int(unskipped)}

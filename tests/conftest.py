@@ -1,0 +1,87 @@
+import os
+
+import pytest
+import torch
+
+import amp
+from amp import lists
+from amp._state import ThreadState, amp_state
+
+HAS_CUDA = torch.cuda.is_available()
+REQUIRE_CUDA = os.environ.get("AMP_REQUIRE_CUDA", "") not in ("", "0")
+
+OPT_LEVELS = ["O0", "O1", "O2", "O3"]
+DTYPES = [torch.float16, torch.bfloat16]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    for item in items:
+        if "cuda" in item.keywords:
+            if REQUIRE_CUDA:
+                item.add_marker(pytest.mark.xfail(reason="AMP_REQUIRE_CUDA=1 but no GPU", strict=True, run=False))
+            else:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _require_cuda_where_asked():
+    if REQUIRE_CUDA and not HAS_CUDA:
+        pytest.fail("AMP_REQUIRE_CUDA=1 but torch.cuda.is_available() is False")
+
+
+def _patchable_attributes():
+    """(namespace, name) -> the object found there, for every name amp could patch."""
+    found = {}
+    for entry in lists.entries():
+        namespace = lists.resolve_namespace(entry.namespace)
+        found[(entry.namespace, entry.name)] = vars(namespace).get(entry.name)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_amp_leak():
+    """Fail a test that leaves amp patches, hooks or global state behind."""
+    before = _patchable_attributes()
+    registrations = dict(amp_state.user_registrations)
+    yield
+    leaked = [
+        f"{namespace}.{name}"
+        for (namespace, name), value in _patchable_attributes().items()
+        if value is not before[(namespace, name)]
+    ]
+    problems = []
+    if leaked:
+        problems.append(f"test leaked amp patches: {', '.join(leaked[:10])}")
+    if amp_state.initialized:
+        problems.append("amp is still initialized")
+    if ThreadState.policy is not None or "policy" in amp_state.thread.__dict__:
+        problems.append("a casting policy is still in force")
+    if amp_state.torch_patches.installed:
+        problems.append("torch patches are still installed")
+    if amp_state.user_registrations != registrations:
+        problems.append("registrations changed (use the `registrations` fixture)")
+        amp_state.user_registrations.clear()
+        amp_state.user_registrations.update(registrations)
+    if amp_state.thread.trace is not None:
+        problems.append("a trace is still active")
+    if problems:
+        amp.deinitialize()
+        pytest.fail("; ".join(problems))
+
+
+@pytest.fixture
+def device(request):
+    return request.param if hasattr(request, "param") else "cpu"
+
+
+@pytest.fixture
+def registrations():
+    """Lets a test register functions; forgets its registrations afterwards."""
+    saved = dict(amp_state.user_registrations)
+    yield
+    amp_state.user_registrations.clear()
+    amp_state.user_registrations.update(saved)
+    amp_state.torch_patches.refresh()

@@ -1,0 +1,400 @@
+import copy
+import io
+import logging
+import pickle
+
+import pytest
+import torch
+
+import amp
+from amp._state import amp_state
+from conftest import OPT_LEVELS
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
+
+
+def make_pair(seed=0, lr=0.1):
+    model = make_model(seed)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def snapshot(model, optimizer):
+    """Everything initialize could modify, by value and identity."""
+    return {
+        "params": [(p, p.dtype, p.detach().clone()) for p in model.parameters()],
+        "buffers": [(name, b.dtype, b.clone()) for name, b in model.named_buffers()],
+        "groups": [list(group["params"]) for group in optimizer.param_groups],
+        "optimizer_dict": dict(vars(optimizer)),
+        "hooks": [dict(m._forward_hooks) for m in model.modules()]
+        + [dict(m._forward_pre_hooks) for m in model.modules()]
+        + [dict(m._state_dict_hooks) for m in model.modules()],
+    }
+
+
+def assert_unchanged(model, optimizer, before):
+    after = snapshot(model, optimizer)
+    for (p0, d0, v0), (p1, d1, v1) in zip(before["params"], after["params"]):
+        assert p0 is p1 and d0 == d1 and torch.equal(v0, v1)
+    for (n0, d0, v0), (n1, d1, v1) in zip(before["buffers"], after["buffers"]):
+        assert n0 == n1 and d0 == d1 and torch.equal(v0, v1)
+    assert all(
+        all(a is b for a, b in zip(g0, g1)) for g0, g1 in zip(before["groups"], after["groups"])
+    )
+    assert after["optimizer_dict"].keys() == before["optimizer_dict"].keys()
+    assert after["hooks"] == before["hooks"]
+
+
+# -- return shapes -------------------------------------------------------------------------------
+
+
+def test_single_model_single_optimizer():
+    model, optimizer = make_pair()
+    result = amp.initialize(model, optimizer, verbosity=0)
+    assert isinstance(result, tuple) and result[0] is model and result[1] is optimizer
+    amp.deinitialize()
+
+
+def test_single_model_no_optimizer():
+    model = make_model()
+    assert amp.initialize(model, verbosity=0) is model
+    amp.deinitialize()
+
+
+def test_list_of_models_list_of_optimizers():
+    m0, o0 = make_pair(0)
+    m1, o1 = make_pair(1)
+    models, optimizers = amp.initialize([m0, m1], [o0, o1], verbosity=0)
+    assert models == [m0, m1] and optimizers == [o0, o1]
+    amp.deinitialize()
+
+
+def test_single_model_list_of_optimizers():
+    model = make_model()
+    o0 = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
+    o1 = torch.optim.SGD(list(model.parameters())[2:], lr=0.1)
+    result_model, result_optimizers = amp.initialize(model, [o0, o1], verbosity=0)
+    assert result_model is model and result_optimizers == [o0, o1]
+    amp.deinitialize()
+
+
+def test_list_of_models_single_optimizer():
+    m0, m1 = make_model(0), make_model(1)
+    optimizer = torch.optim.SGD(list(m0.parameters()) + list(m1.parameters()), lr=0.1)
+    models, result_optimizer = amp.initialize([m0, m1], optimizer, verbosity=0)
+    assert models == [m0, m1] and result_optimizer is optimizer
+    amp.deinitialize()
+    assert amp.initialize([m0, m1], verbosity=0) == [m0, m1]
+    amp.deinitialize()
+
+
+# -- enabled=False -------------------------------------------------------------------------------
+
+
+def test_disabled_returns_arguments_and_makes_everything_a_no_op():
+    model, optimizer = make_pair()
+    before = snapshot(model, optimizer)
+    result = amp.initialize(model, (optimizer,), enabled=False, opt_level="O2")
+    assert result[0] is model and result[1] == (optimizer,)
+    assert_unchanged(model, optimizer, before)
+    loss = model(torch.randn(4, 4)).sum()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        assert scaled is loss
+    assert amp.state_dict() == {}
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})
+    assert list(amp.master_params(optimizer)) == list(model.parameters())
+    assert torch.nn.functional.linear is torch._C._nn.linear
+    amp.deinitialize()
+
+
+# -- errors, and nothing modified when raised -----------------------------------------------------
+
+
+def _initialize_error(model, optimizer, error, match, **kwargs):
+    before = snapshot(model, optimizer)
+    with pytest.raises(error, match=match):
+        amp.initialize(model, optimizer, **{"verbosity": 0, **kwargs})
+    assert_unchanged(model, optimizer, before)
+    assert not amp_state.initialized
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(opt_level="o2"), RuntimeError, "letter O"),
+        (dict(opt_level="O1", keep_batchnorm_fp32=True), RuntimeError, "keep_batchnorm_fp32 should be None"),
+        (dict(opt_level="O2", patch_torch_functions=True), RuntimeError, "patch_torch_functions=True"),
+        (dict(opt_level="O2", loss_scale="huge"), ValueError, "loss_scale"),
+        (dict(opt_level="O2", dtype=torch.float32), ValueError, "float16 or torch.bfloat16"),
+        (dict(num_losses=0), ValueError, "num_losses"),
+        (dict(verbosity=-1), ValueError, "verbosity"),
+        (dict(cast_model_outputs="float32"), ValueError, "cast_model_outputs"),
+        (dict(min_loss_scale=4.0, max_loss_scale=2.0), ValueError, "min_loss_scale"),
+        (dict(max_loss_scale=-1.0), ValueError, "max_loss_scale"),
+        (dict(enabled="yes"), TypeError, "enabled"),
+    ],
+)
+def test_bad_arguments_modify_nothing(kwargs, error, match):
+    model, optimizer = make_pair()
+    _initialize_error(model, optimizer, error, match, **kwargs)
+
+
+@pytest.mark.parametrize("wrapper", [torch.nn.DataParallel])
+def test_parallel_wrapped_model_is_refused(wrapper):
+    model, optimizer = make_pair()
+    with pytest.raises(RuntimeError, match="Parallel wrappers should only be applied to the model"):
+        amp.initialize(wrapper(model), optimizer, verbosity=0)
+
+
+def test_low_precision_model_is_refused():
+    model, optimizer = make_pair()
+    model[0].half()
+    _initialize_error(model, optimizer, RuntimeError, r"do not need to call \.half\(\)", opt_level="O2")
+
+
+def test_wrong_types_are_refused():
+    model, optimizer = make_pair()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        amp.initialize(model, object(), verbosity=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        amp.initialize("model", optimizer, verbosity=0)
+    with pytest.raises(TypeError, match="not a tuple"):
+        amp.initialize((model,), optimizer, verbosity=0)
+
+
+def test_parameter_in_two_optimizers_is_refused():
+    model = make_model()
+    o0 = torch.optim.SGD(model.parameters(), lr=0.1)
+    o1 = torch.optim.SGD(list(model.parameters())[:1], lr=0.1)
+    with pytest.raises(ValueError, match="a parameter appears in two optimizers"):
+        amp.initialize(model, [o0, o1], verbosity=0)
+
+
+def test_second_initialize_is_refused_until_deinitialize():
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, verbosity=0)
+    other_model, other_optimizer = make_pair(1)
+    before = snapshot(other_model, other_optimizer)
+    with pytest.raises(RuntimeError, match=r"Call amp.deinitialize\(\) first"):
+        amp.initialize(other_model, other_optimizer, verbosity=0)
+    assert_unchanged(other_model, other_optimizer, before)
+    amp.deinitialize()
+    amp.initialize(other_model, other_optimizer, verbosity=0)
+    amp.deinitialize()
+
+
+def test_optimizer_already_processed_is_refused():
+    model, optimizer = make_pair()
+    with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once"):
+        amp.initialize(model, [optimizer, optimizer], verbosity=0)
+    vars(optimizer)["_amp_record"] = object()  # as left by an amp that lost its state
+    try:
+        with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once"):
+            amp.initialize(model, optimizer, verbosity=0)
+    finally:
+        del vars(optimizer)["_amp_record"]
+
+
+def test_failure_halfway_rolls_everything_back(monkeypatch):
+    model, optimizer = make_pair()
+    before = snapshot(model, optimizer)
+
+    def explode(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(amp.frontend, "LossScaler", explode)
+    with pytest.raises(MemoryError):
+        amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    assert_unchanged(model, optimizer, before)
+    assert not amp_state.initialized
+
+
+# -- deinitialize ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_deinitialize_round_trip_is_exact(opt_level):
+    model, optimizer = make_pair()
+    model.register_buffer("table", torch.randn(5))  # a plain FP32 buffer, cast under O2/O3
+    before = snapshot(model, optimizer)
+    torch_attributes = {name: getattr(torch, name) for name in dir(torch)}
+    tensor_attributes = dict(vars(torch.Tensor))
+    amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    amp.deinitialize()
+    if opt_level == "O3":
+        # O3 keeps no FP32 copy of the parameters: they come back as their FP16 values, upcast.
+        for (param, _, value), now in zip(before["params"], model.parameters()):
+            assert param is now and now.dtype is torch.float32
+            expected = value.half().float()
+            assert torch.equal(now.detach(), expected)
+        before["params"] = [(p, p.dtype, p.detach().clone()) for p in model.parameters()]
+    assert_unchanged(model, optimizer, before)
+    assert all(getattr(torch, name) is value for name, value in torch_attributes.items())
+    assert dict(vars(torch.Tensor)) == tensor_attributes
+    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.masters == {}
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_after_deinitialize_training_is_plain_pytorch(opt_level):
+    model, optimizer = make_pair()
+    reference_model, reference_optimizer = make_pair()
+    amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(model(x).square().mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    amp.deinitialize()
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+    assert type(optimizer).step is getattr(optimizer, "step").__func__
+    reference_model.load_state_dict(copy.deepcopy(model.state_dict()))
+    # A deep copy: load_state_dict shares state tensors that need no conversion.
+    reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for m, o in ((model, optimizer), (reference_model, reference_optimizer)):
+        m(x).square().mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_o2_deinitialize_restores_fp32_weights_from_masters():
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    for _ in range(3):
+        with amp.scale_loss(model(torch.randn(8, 4)).square().mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    masters = [m.detach().clone() for m in amp.master_params(optimizer)]
+    amp.deinitialize()
+    for param, master in zip(model.parameters(), masters):
+        assert param.dtype is torch.float32
+        assert torch.equal(param, master)
+    assert list(optimizer.param_groups[0]["params"]) == list(model.parameters())
+    assert all(p in optimizer.state for p in model.parameters())
+
+
+def test_deinitialize_without_initialize_is_a_no_op():
+    amp.deinitialize()
+    amp.deinitialize()
+
+
+def test_deepcopy_and_pickle_of_initialized_objects():
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model_copy = copy.deepcopy(model)
+    assert model_copy(torch.randn(2, 4)).dtype is torch.float32  # hooks travel with the copy
+    optimizer_copy = pickle.loads(pickle.dumps(optimizer))
+    assert "_amp_record" not in vars(optimizer_copy)
+    amp.deinitialize()
+
+
+# -- amp.state_dict / amp.load_state_dict ---------------------------------------------------------
+
+
+def test_state_dict_format_and_weights_only_load(tmp_path):
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, num_losses=2, verbosity=0)
+    state = amp.state_dict()
+    assert list(state) == ["loss_scaler0", "loss_scaler1"]
+    assert state["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 0}
+    path = tmp_path / "amp.pt"
+    torch.save(state, path)
+    assert torch.load(path, weights_only=True) == state
+    amp.deinitialize()
+
+
+def test_load_state_dict_round_trip_and_apex_dicts():
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, num_losses=2, verbosity=0)
+    apex_saved = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17},
+                  "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3}}
+    amp.load_state_dict(apex_saved)
+    assert amp.state_dict() == apex_saved
+    amp.deinitialize()
+
+
+@pytest.mark.parametrize(
+    "bad,error,match",
+    [
+        ({"scaler": {"loss_scale": 1.0, "unskipped": 0}}, RuntimeError, 'Unexpected key\\(s\\) in state_dict: "scaler"'),
+        ({"loss_scaler0": {"loss_scale": -1.0, "unskipped": 0}}, ValueError, "finite positive"),
+        ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}}, ValueError, "finite positive"),
+        ({"loss_scaler0": {"loss_scale": 2.0}}, ValueError, "lacks"),
+        ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": -3}}, ValueError, "non-negative"),
+        ({"loss_scaler0": 4.0}, TypeError, "must be a dict"),
+        ([1, 2], TypeError, "expects the dict"),
+    ],
+)
+def test_malformed_state_dict_raises_and_loads_nothing(bad, error, match):
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, num_losses=1, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 5}})
+    good_and_bad = dict(bad) if isinstance(bad, dict) else bad
+    with pytest.raises(error, match=match):
+        amp.load_state_dict(good_and_bad)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 5}
+    amp.deinitialize()
+
+
+def test_state_dict_with_more_entries_warns_and_skips():
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, num_losses=1, verbosity=0)
+    with pytest.warns(UserWarning) as warned:
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                             "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0}})
+    assert [str(w.message) for w in warned] == [
+        "state_dict contains 2 entries, while 1 loss_scalers are used",
+        "Skipping loss_scaler[1], since num_losses was set to 1",
+    ]
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0
+    amp.deinitialize()
+
+
+def test_state_dict_needs_initialize():
+    with pytest.raises(RuntimeError, match="amp.initialize"):
+        amp.state_dict()
+    with pytest.raises(RuntimeError, match="amp.initialize"):
+        amp.load_state_dict({})
+
+
+# -- master_params, logging ---------------------------------------------------------------------
+
+
+def test_master_params_are_fp32_masters_under_o2():
+    model, optimizer = make_pair()
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    masters = list(amp.master_params(optimizer))
+    assert len(masters) == len(list(model.parameters()))
+    assert all(m.dtype is torch.float32 for m in masters)
+    for master, (name, param) in zip(masters, model.named_parameters()):
+        # Batch norm stays FP32 under O2 and is stepped directly; the rest steps FP32 copies.
+        assert (master is param) == name.startswith("1.")
+    with pytest.raises(TypeError, match="expects an optimizer"):
+        amp.master_params(model)
+    amp.deinitialize()
+
+
+def _captured(verbosity):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("amp")
+    logger.addHandler(handler)
+    try:
+        model, optimizer = make_pair()
+        amp.initialize(model, optimizer, opt_level="O2", verbosity=verbosity)
+        amp.deinitialize()
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue()
+
+
+def test_progress_messages_go_through_logging_and_verbosity_zero_silences():
+    text = _captured(1)
+    assert "Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights." in text
+    assert f"{'master_weights':22} : True" in text
+    assert _captured(0) == ""
