@@ -1,0 +1,183 @@
+"""amp's multi-tensor kernels side by side with torch's, and against the memory-bandwidth limit.
+
+    python benchmarks/kernels.py            # on a GPU: CuPy kernels; on CPU: the torch backend
+
+Cases (float32 unless named):
+  large unscale      one large tensor, in place (8 bytes per element); amp vs
+                     torch._amp_foreach_non_finite_check_and_unscale_ vs a device-to-device copy;
+                     achieved GB/s as a fraction of the datasheet bandwidth
+  1000 small         1,000 tensors of 4,096 elements, in place: time per call, host included
+  fp16 -> fp32       model gradients into master gradients with unscale (6 bytes per element);
+                     torch's way: _foreach_copy_ then the unscale op
+  fp32 -> fp16       master weights into the model (6 bytes per element); torch: _foreach_copy_
+  l2 norm            of 300 tensors; torch: _foreach_norm + vector_norm
+Ratios are amp / torch (below 1.00: amp is faster).
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import print_table  # noqa: E402
+
+from amp import kernels  # noqa: E402
+
+DATASHEET_BYTES_PER_SECOND = {  # by torch.cuda.get_device_name(); leads, not readings
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA H100 80GB HBM3": 3.35e12,
+    "NVIDIA H100": 3.35e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA A100-SXM4-40GB": 1.555e12,
+}
+
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def median_seconds(self, fn, repeat, inner=1):
+        """Median over `repeat` timings of `inner` back-to-back calls, per call."""
+        fn()  # warm-up (compilation, allocator)
+        if self.cuda:
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(inner):
+                    fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / inner)
+            else:
+                begin = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                times.append((time.perf_counter() - begin) / inner)
+        return statistics.median(times)
+
+    def wall_seconds(self, fn, calls):
+        """Wall time per call over `calls` calls, the device drained at both ends (host-bound work)."""
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - begin) / calls
+
+
+def torch_unscale(tensors, inv_scale, found_inf):
+    for dtype in {t.dtype for t in tensors}:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [t for t in tensors if t.dtype is dtype], found_inf, inv_scale
+        )
+
+
+def alternating(fn_with_inv, device):
+    """A call that unscales by 0.5 then by 2.0, so values stay put across repetitions."""
+    half = torch.full((), 0.5, device=device)
+    double = torch.full((), 2.0, device=device)
+    return lambda: (fn_with_inv(half), fn_with_inv(double))
+
+
+def run(device):
+    timer = Timer(device)
+    found = torch.zeros((), device=device)
+    rows = []
+    datasheet = DATASHEET_BYTES_PER_SECOND.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    # Large in-place unscale.
+    numel = 2**28 if device.type == "cuda" else 2**23
+    big = [torch.randn(numel, device=device)]
+    amp_time = timer.median_seconds(alternating(lambda inv: kernels.unscale_(big, inv, found), device), 20) / 2
+    torch_time = timer.median_seconds(alternating(lambda inv: torch_unscale(big, inv, found), device), 20) / 2
+    copy_source = torch.empty_like(big[0])
+    copy_time = timer.median_seconds(lambda: copy_source.copy_(big[0]), 20)
+    moved = 8 * numel
+    row = {
+        "case": f"large unscale ({numel * 4 / 2**30:.0f} GiB)",
+        "amp": amp_time,
+        "torch": torch_time,
+        "amp GB/s": moved / amp_time / 1e9,
+        "copy GB/s": moved / copy_time / 1e9,
+    }
+    if datasheet:
+        row["of datasheet"] = moved / amp_time / datasheet
+        row["torch of datasheet"] = moved / torch_time / datasheet
+    rows.append(row)
+
+    # Many small tensors: host-bound, so wall time per call.
+    small = [torch.randn(4096, device=device) for _ in range(1000)]
+    inv = torch.full((), 1.0, device=device)
+    rows.append({
+        "case": "1000 small tensors",
+        "amp": timer.wall_seconds(lambda: kernels.unscale_(small, inv, found), 200),
+        "torch": timer.wall_seconds(lambda: torch_unscale(small, inv, found), 200),
+    })
+
+    # Model gradients (fp16) into master gradients (fp32).
+    numel = 2**27 if device.type == "cuda" else 2**22
+    sources = [torch.randn(numel, device=device).half()]
+    destinations = [torch.empty(numel, device=device)]
+    inv = torch.full((), 2.0**-16, device=device)
+
+    def torch_unscale_to():
+        torch._foreach_copy_(destinations, sources)
+        torch_unscale(destinations, inv, found)
+
+    amp_time = timer.median_seconds(lambda: kernels.unscale_to_(sources, destinations, inv, found), 20)
+    torch_time = timer.median_seconds(torch_unscale_to, 20)
+    row = {"case": "fp16 grads -> fp32 masters", "amp": amp_time, "torch": torch_time,
+           "amp GB/s": 6 * numel / amp_time / 1e9}
+    if datasheet:
+        row["of datasheet"] = 6 * numel / amp_time / datasheet
+    rows.append(row)
+
+    # Master weights into the model.
+    masters = [torch.randn(numel, device=device)]
+    model = [torch.empty(numel, device=device, dtype=torch.float16)]
+    amp_time = timer.median_seconds(lambda: kernels.copy_(masters, model), 20)
+    torch_time = timer.median_seconds(lambda: torch._foreach_copy_(model, masters), 20)
+    row = {"case": "fp32 masters -> fp16 params", "amp": amp_time, "torch": torch_time,
+           "amp GB/s": 6 * numel / amp_time / 1e9}
+    if datasheet:
+        row["of datasheet"] = 6 * numel / amp_time / datasheet
+    rows.append(row)
+
+    # L2 norm over 300 tensors.
+    grads = [torch.randn(n, device=device) for n in ([65536] * 200 + [1 << 20] * 100)]
+
+    def torch_norm():
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+    rows.append({
+        "case": "l2 norm, 300 tensors",
+        "amp": timer.wall_seconds(lambda: kernels.l2_norm(grads), 100),
+        "torch": timer.wall_seconds(torch_norm, 100),
+    })
+    return rows
+
+
+def main():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = kernels.cuda_backend() if device.type == "cuda" else None
+    title = f"kernels on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+    if backend is not None:
+        title += f"; CUDA backend: {backend.name} ({backend.reason})"
+    rows = run(device)
+    for row in rows:
+        row["amp / torch"] = row["amp"] / row["torch"]
+    print_table(title, rows, ["case", "amp", "torch", "amp / torch", "amp GB/s", "copy GB/s",
+                              "of datasheet", "torch of datasheet"], time_columns=("amp", "torch"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

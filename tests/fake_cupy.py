@@ -1,0 +1,140 @@
+"""A stand-in for CuPy that runs amp's CuPy backend on CPU tensors, for tests without a GPU.
+
+The "kernels" read the by-value Meta struct the backend packs and do, through the raw data
+pointers, what multi_tensor.cu does: so the backend's host code (grouping, packing, launch
+arguments, pointer arithmetic, launch splitting) is exercised for real. What runs on a GPU is
+the CUDA source itself, which this cannot check: nvcc and NVRTC compile it in other tests.
+"""
+
+import contextlib
+import ctypes
+import importlib
+import sys
+import types
+
+import torch
+
+from amp.kernels import _layout
+
+_DTYPES = {"float": torch.float32, "__half": torch.float16, "__nv_bfloat16": torch.bfloat16}
+
+
+def _view(address, numel, dtype):
+    """A tensor over `numel` elements of `dtype` at a raw host address (shares the memory)."""
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    buffer = (ctypes.c_char * size).from_address(address)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel)
+
+
+def _scalar(address):
+    return _view(address, 1, torch.float32)[0].item()
+
+
+class Launches:
+    """What the fake recorded: one entry per kernel launch."""
+
+    def __init__(self):
+        self.calls = []
+
+
+class FakeKernel:
+    def __init__(self, name, launches):
+        self.name = name
+        kernel, _, types_part = name.partition("<")
+        self.kernel = kernel
+        self.types = [_DTYPES[t.strip()] for t in types_part.rstrip(">").split(",") if t.strip()]
+        self.launches = launches
+
+    def compile(self):
+        pass
+
+    def __call__(self, grid, block, args, stream=None):
+        assert block == (_layout.BLOCK,) and len(grid) == 1 and grid[0] >= 1
+        assert stream is not None and hasattr(stream, "ptr")
+        self.launches.calls.append((self.name, grid, len(args)))
+        if self.kernel == "amp_norm_finalize":
+            partial, count, out = args
+            _view(out, 1, torch.float32)[0] = _view(partial, count, torch.float32).double().sum().sqrt()
+            return
+        meta, chunk = args[0], args[-1]
+        record = meta[0]
+        launch = _layout.Launch(meta, int(record["chunk_start"][int(record["ntensors"])]), 0)
+        assert grid[0] <= max(launch.chunks, 1)
+        for chunk_index, (slot, first, count) in enumerate(_layout.simulate(launch, chunk)):
+            self._chunk(record, args, chunk_index, slot, first, count)
+
+    def _chunk(self, record, args, chunk_index, slot, first, count):
+        source_dtype = self.types[0]
+        source = _view(int(record["ptr"][0][slot]) + first * source_dtype.itemsize, count, source_dtype)
+        if self.kernel == "amp_sum_squares":
+            partial, first_chunk = args[1], args[2]
+            _view(partial, first_chunk + chunk_index + 1, torch.float32)[first_chunk + chunk_index] = (
+                source.float().square().sum()
+            )
+            return
+        scale_address, flag_address = args[1], args[2]
+        values = source.float()
+        if flag_address and not torch.isfinite(values).all():
+            _view(flag_address, 1, torch.float32)[0] = 1.0
+        if scale_address:
+            values = values * _scalar(scale_address)
+        if self.kernel == "amp_unscale":
+            source.copy_(values.to(source_dtype))
+            return
+        destination_dtype = self.types[1]
+        destination = _view(
+            int(record["ptr"][1][slot]) + first * destination_dtype.itemsize, count, destination_dtype
+        )
+        if self.kernel == "amp_scale_add":
+            values = destination.float() + values
+        destination.copy_(values.to(destination_dtype))
+
+
+def install(monkeypatch, multiprocessors=2):
+    """Put the fake CuPy in sys.modules and return (the backend module on it, Launches)."""
+    launches = Launches()
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            assert "-std=c++17" in options and any(o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options)
+            self.names = set(name_expressions)
+
+        def get_function(self, name):
+            assert name in self.names, name
+            return FakeKernel(name, launches)
+
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "fake"
+    cupy.RawModule = RawModule
+    cupy.cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        Device=lambda index=None: contextlib.nullcontext(),
+        runtime=types.SimpleNamespace(driverGetVersion=lambda: 12090),
+    )
+    nvrtc = types.ModuleType("cupy_backends.cuda.libs.nvrtc")
+    nvrtc.getVersion = lambda: (12, 9)
+    for name, module in {
+        "cupy": cupy,
+        "cupy_backends": types.ModuleType("cupy_backends"),
+        "cupy_backends.cuda": types.ModuleType("cupy_backends.cuda"),
+        "cupy_backends.cuda.libs": types.ModuleType("cupy_backends.cuda.libs"),
+        "cupy_backends.cuda.libs.nvrtc": nvrtc,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.delitem(sys.modules, "amp.kernels._cupy_backend", raising=False)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: types.SimpleNamespace(multi_processor_count=multiprocessors, major=9, minor=0),
+    )
+    import amp.kernels
+
+    backend = importlib.import_module("amp.kernels._cupy_backend")
+    monkeypatch.setattr(amp.kernels, "_cupy_backend", backend, raising=False)
+    monkeypatch.setattr(backend, "_stream", lambda index: types.SimpleNamespace(ptr=0))
+    # Registered with monkeypatch so that teardown removes it: the real one is imported afresh.
+    monkeypatch.setitem(sys.modules, "amp.kernels._cupy_backend", backend)
+    return backend, launches
+

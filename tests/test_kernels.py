@@ -1,0 +1,368 @@
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from amp import kernels
+from amp.kernels import _layout, _torch_backend
+import fake_cupy
+from conftest import HAS_CUDA
+
+SOURCE = pathlib.Path(kernels.__file__).with_name("multi_tensor.cu")
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 3, 4, 2047, 2048, 65535, 65536, 65537, 200003]
+
+
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    # The CuPy backend's host code on CPU memory, with a fake CuPy (tests/fake_cupy.py).
+    pytest.param("emulated-cupy", id="emulated-cupy"),
+    pytest.param("cupy", id="cupy", marks=pytest.mark.cuda),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """(module, device) for a backend; the CuPy one must really be in use."""
+    if request.param == "torch":
+        return _torch_backend, "cpu"
+    if request.param == "emulated-cupy":
+        module, _ = fake_cupy.install(monkeypatch)
+        return module, "cpu"
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    if os.environ.get(kernels.DISABLE_ENV):
+        pytest.skip(f"{kernels.DISABLE_ENV} is set")
+    choice = kernels.cuda_backend()
+    assert choice.name == "cupy", f"the CuPy backend is not in use: {choice.reason}"
+    return choice.module, "cuda"
+
+
+def reference_unscale(tensors, inv_scale, device):
+    """torch's own kernel on copies: the oracle for unscale_."""
+    copies = [t.clone() for t in tensors]
+    found = torch.zeros((), device=device)
+    for dtype in {t.dtype for t in copies}:
+        group = [t for t in copies if t.dtype is dtype]
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+    return copies, found
+
+
+def assert_bitwise(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def random_tensors(sizes, dtypes, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for index, size in enumerate(sizes):
+        dtype = dtypes[index % len(dtypes)]
+        values = torch.randn(size, generator=generator) * 1000
+        tensors.append(values.to(dtype).to(device))
+    return tensors
+
+
+# -- unscale_ ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("inv", [1.0, 2.0**-16, 1 / 3.0, 0.1])
+def test_unscale_matches_torch_bitwise(backend, dtype, inv):
+    module, device = backend
+    tensors = random_tensors(SIZES, [dtype], device)
+    inv_scale = torch.full((), inv, device=device)
+    expected, expected_found = reference_unscale(tensors, inv_scale, device)
+    found = torch.zeros((), device=device)
+    module.unscale_(tensors, inv_scale, found)
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)
+    assert found.item() == expected_found.item() == 0.0
+
+
+@pytest.mark.parametrize("position", ["first", "last", "middle"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_unscale_flags_nonfinite_anywhere(backend, position, value):
+    module, device = backend
+    tensors = random_tensors([5, 70000, 131072 + 7], FLOAT_DTYPES, device)
+    target = {"first": (0, 0), "last": (2, -1), "middle": (1, 65536)}[position]
+    tensors[target[0]][target[1]] = value
+    inv_scale = torch.full((), 0.5, device=device)
+    expected, _ = reference_unscale(tensors, inv_scale, device)
+    found = torch.zeros((), device=device)
+    module.unscale_(tensors, inv_scale, found)
+    assert found.item() == 1.0
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)  # every element is written, even the non-finite ones
+
+
+def test_unscale_never_clears_the_flag(backend):
+    module, device = backend
+    found = torch.ones((), device=device)
+    module.unscale_(random_tensors([10], [torch.float32], device), torch.full((), 1.0, device=device), found)
+    assert found.item() == 1.0
+
+
+def test_unscale_subnormals_are_not_flushed(backend):
+    module, device = backend
+    tiny = torch.tensor([1e-40, -3e-39, 1.4e-45, 1e-38] * 2, device=device)
+    for inv in (1.0, 0.5, 3.0):
+        inv_scale = torch.full((), inv, device=device)
+        expected, _ = reference_unscale([tiny], inv_scale, device)
+        actual = tiny.clone()
+        module.unscale_([actual], inv_scale, torch.zeros((), device=device))
+        assert_bitwise(actual, expected[0])
+        assert actual[0].item() != 0.0 or inv == 0.0
+
+
+def test_unscale_mixed_dtypes_many_tensors_and_empty(backend):
+    module, device = backend
+    sizes = [0, 7, 0, 1, 300] * 250  # 1250 tensors: several launches at 4 KB of parameters
+    tensors = random_tensors(sizes, FLOAT_DTYPES, device, seed=3)
+    tensors[-4][-1] = float("nan")
+    inv_scale = torch.full((), 0.25, device=device)
+    expected, _ = reference_unscale(tensors, inv_scale, device)
+    found = torch.zeros((), device=device)
+    module.unscale_(tensors, inv_scale, found)
+    assert found.item() == 1.0
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)
+
+
+def test_unscale_non_contiguous_and_offset_views(backend):
+    module, device = backend
+    base = random_tensors([4096], [torch.float32], device)[0]
+    views = [base.view(64, 64).t(), base[1:1001], base[3:7], base.view(64, 64)[:, 5]]
+    inv_scale = torch.full((), 0.5, device=device)
+    expected = [v.clone() * 0.5 for v in views]
+    # views share memory: apply to disjoint pieces one at a time
+    for view, wanted in zip(views, expected):
+        module.unscale_([view], inv_scale, torch.zeros((), device=device))
+        assert_bitwise(view, wanted)
+        view.mul_(2)
+
+
+def test_empty_list_is_a_no_op(backend):
+    module, device = backend
+    found = torch.zeros((), device=device)
+    kernels.unscale_([], torch.ones((), device=device), found)
+    assert found.item() == 0.0
+
+
+# -- copies with scale ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source_dtype,destination_dtype",
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_unscale_to_is_copy_then_unscale(backend, source_dtype, destination_dtype):
+    module, device = backend
+    sources = random_tensors(SIZES, [source_dtype], device, seed=5)
+    sources[4][17] = float("inf")
+    destinations = [torch.full(s.shape, -7.0, dtype=destination_dtype, device=device) for s in sources]
+    inv_scale = torch.full((), 2.0**-10, device=device)
+    found = torch.zeros((), device=device)
+    module.unscale_to_(sources, destinations, inv_scale, found)
+    expected, expected_found = reference_unscale([s.to(destination_dtype) for s in sources], inv_scale, device)
+    for actual, wanted in zip(destinations, expected):
+        assert_bitwise(actual, wanted)
+    assert found.item() == expected_found.item() == 1.0
+
+
+@pytest.mark.parametrize("source_dtype", FLOAT_DTYPES)
+def test_unscale_add_rounds_multiply_and_add_separately(backend, source_dtype):
+    module, device = backend
+    sources = random_tensors(SIZES, [source_dtype], device, seed=6)
+    destinations = random_tensors(SIZES, [torch.float32], device, seed=7)
+    before = [d.clone() for d in destinations]
+    inv_scale = torch.full((), 1 / 3.0, device=device)
+    found = torch.zeros((), device=device)
+    module.unscale_add_(sources, destinations, inv_scale, found)
+    for source, old, actual in zip(sources, before, destinations):
+        assert_bitwise(actual, old + source.float() * inv_scale)
+    assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("destination_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_copy_rounds_to_nearest_even(backend, destination_dtype):
+    module, device = backend
+    sources = random_tensors(SIZES, [torch.float32], device, seed=8)
+    sources[0][0] = 1e6  # beyond fp16: inf, as torch's conversion gives
+    sources[1][0] = float("nan")
+    destinations = [torch.zeros(s.shape, dtype=destination_dtype, device=device) for s in sources]
+    module.copy_(sources, destinations)
+    for source, actual in zip(sources, destinations):
+        assert_bitwise(actual, source.to(destination_dtype))
+
+
+def test_l2_norm_matches_torch(backend):
+    module, device = backend
+    for dtype in FLOAT_DTYPES:
+        tensors = random_tensors(SIZES + [0], [dtype], device, seed=9)
+        expected = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in tensors]))
+        actual = module.l2_norm(tensors)
+        assert actual.dtype is torch.float32 and actual.device.type == device
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=0)  # float32 sums in another order
+
+
+# -- the dispatching interface --------------------------------------------------------------------
+
+
+def test_interface_checks_parallel_lists():
+    with pytest.raises(ValueError, match="as many destinations as sources"):
+        kernels.copy_([torch.ones(3)], [])
+    with pytest.raises(ValueError, match="same shape and device"):
+        kernels.copy_([torch.ones(3)], [torch.ones(4)])
+    with pytest.raises(ValueError, match="at least one tensor"):
+        kernels.l2_norm([])
+
+
+def test_interface_unscale_is_torch_on_cpu():
+    tensors = random_tensors([100, 5], [torch.float16, torch.float32], "cpu")
+    tensors[1][2] = float("inf")
+    inv_scale = torch.full((), 0.125)
+    expected, expected_found = reference_unscale(tensors, inv_scale, "cpu")
+    found = torch.zeros(())
+    kernels.unscale_(tensors, inv_scale, found)
+    assert found.item() == expected_found.item() == 1.0
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)
+
+
+def test_cuda_backend_reason_without_cuda(monkeypatch):
+    monkeypatch.setattr(kernels.amp_state, "cuda_kernels", None)
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    choice = kernels.cuda_backend()
+    assert choice.name == "torch" and kernels.DISABLE_ENV in choice.reason
+    monkeypatch.setattr(kernels.amp_state, "cuda_kernels", None)
+
+
+def test_import_does_not_import_cupy():
+    code = "import amp, sys; assert 'cupy' not in sys.modules; print('ok')"
+    result = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+# -- launch layout (pure numpy) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [_layout.PARAM_BYTES_SMALL, _layout.PARAM_BYTES_LARGE])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_meta_fits_the_parameter_budget(budget, depth):
+    count = _layout.max_tensors(depth, budget)
+    assert _layout.meta_dtype(depth, count).itemsize <= budget - 64
+    assert _layout.meta_dtype(depth, count + 1).itemsize > budget - 64 - 16
+    assert count >= (100 if budget == _layout.PARAM_BYTES_SMALL else 1000)
+
+
+def test_plan_covers_every_element_exactly_once():
+    rng = np.random.default_rng(0)
+    numels = list(rng.integers(0, 3 * _layout.CHUNK, size=40)) + [0, 1, _layout.CHUNK, _layout.CHUNK + 1]
+    launches = _layout.plan([range(1000, 1000 + len(numels))], numels, capacity=7)
+    seen = {}
+    kept = [n for n in numels if n > 0]
+    slot_offset = 0
+    for launch in launches:
+        count = int(launch.meta[0]["ntensors"])
+        for slot, first, n in _layout.simulate(launch):
+            tensor = slot_offset + slot
+            assert n > 0
+            seen.setdefault(tensor, []).append((first, n))
+        slot_offset += count
+    for tensor, pieces in seen.items():
+        pieces.sort()
+        assert pieces[0][0] == 0
+        assert all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert pieces[-1][0] + pieces[-1][1] == kept[tensor]
+    assert len(seen) == len(kept)
+    assert [launch.first_chunk for launch in launches] == list(
+        np.cumsum([0] + [launch.chunks for launch in launches[:-1]])
+    )
+
+
+def test_plan_handles_more_than_2_to_the_31_elements():
+    numel = 2**31 + 5
+    (launch,) = _layout.plan([[4096]], [numel], capacity=8)
+    last = _layout.simulate(launch)[-1]
+    assert last[1] + last[2] == numel and launch.chunks == -(-numel // _layout.CHUNK)
+
+
+# -- the CUDA source compiles ---------------------------------------------------------------------
+
+
+def _nvcc_architectures():
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return []
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
+    return [arch.replace("compute_", "sm_") for arch in listed if arch in ("compute_75", "compute_80", "compute_90")]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("budget", [_layout.PARAM_BYTES_SMALL, _layout.PARAM_BYTES_LARGE])
+def test_source_compiles_with_nvcc(tmp_path, budget):
+    architectures = _nvcc_architectures()
+    assert architectures, "nvcc knows none of sm_75, sm_80, sm_90"
+    for arch in architectures:
+        result = subprocess.run(
+            ["nvcc", "-std=c++17", f"-arch={arch}", "-c", str(SOURCE), "-o", str(tmp_path / f"{arch}.o"),
+             *_layout.compile_options(budget)],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_ptx_has_no_flushing_multiply_even_with_ftz(tmp_path):
+    # CuPy appends -ftz=true; the unscale arithmetic must still keep subnormals.
+    ptx = tmp_path / "kernels.ptx"
+    arch = _nvcc_architectures()[-1].replace("sm_", "compute_")
+    result = subprocess.run(
+        ["nvcc", "-std=c++17", f"-arch={arch}", "-ptx", "-ftz=true", str(SOURCE), "-o", str(ptx),
+         *_layout.compile_options(_layout.PARAM_BYTES_LARGE)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    text = ptx.read_text()
+    assert "mul.rn.f32" in text and "add.rn.f32" in text
+    assert "mul.rn.ftz.f32" not in text and "add.rn.ftz.f32" not in text
+    assert ".local" not in text  # the Meta struct is read from parameter space, never copied
+
+
+# -- the CuPy backend's host side, on the emulated CuPy ---------------------------------------------
+
+
+def test_emulated_backend_launches_kernels_and_falls_back_for_the_rest(monkeypatch):
+    module, launches = fake_cupy.install(monkeypatch)
+    tensors = [torch.randn(100), torch.randn(10, 10).t(), torch.randn(7, dtype=torch.float64)]
+    expected = [t * 0.5 for t in tensors]
+    module.unscale_(tensors, torch.full((), 0.5), torch.zeros(()))
+    assert [name for name, _, _ in launches.calls] == ["amp_unscale<float>"]
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)
+
+
+def test_emulated_backend_splits_long_lists_at_4_kb_of_parameters(monkeypatch):
+    monkeypatch.setenv("AMP_KERNEL_PARAM_BYTES", str(_layout.PARAM_BYTES_SMALL))
+    module, launches = fake_cupy.install(monkeypatch)
+    tensors = random_tensors([3, 0, 65537] * 200, [torch.float16], "cpu", seed=11)
+    tensors[-1][-1] = float("inf")
+    inv_scale = torch.full((), 0.5)
+    expected, _ = reference_unscale(tensors, inv_scale, "cpu")
+    found = torch.zeros(())
+    module.unscale_(tensors, inv_scale, found)
+    capacity = _layout.max_tensors(1, _layout.PARAM_BYTES_SMALL)
+    assert len(launches.calls) == -(-400 // capacity)  # empty tensors take no slot
+    assert found.item() == 1.0
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)
