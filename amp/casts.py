@@ -139,10 +139,7 @@ def cast_tree(value, dtype, device_filter=None):
         items = [cast_tree(item, dtype, device_filter) for item in value]
         if all(new is old for new, old in zip(items, value)):
             return value
-        new = type(value).__new__(type(value))
-        new.__dict__.update(getattr(value, "__dict__", {}))
-        new.extend(items)
-        return new
+        return items if type(value) is list else _rebuild(value, items, list)
     if isinstance(value, collections.abc.Mapping):
         items = {key: cast_tree(item, dtype, device_filter) for key, item in value.items()}
         if all(items[key] is item for key, item in value.items()):
@@ -160,19 +157,21 @@ def cast_tree(value, dtype, device_filter=None):
 
 
 def _rebuild_mapping(original, items):
+    if type(original) is dict:
+        return items
     if isinstance(original, collections.defaultdict):
         new = collections.defaultdict(original.default_factory)
         new.update(items)
         return new
-    if isinstance(original, dict):
-        new = type(original).__new__(type(original))
-        new.__dict__.update(getattr(original, "__dict__", {}))
-        dict.update(new, items)
-        return new
+    return _rebuild(original, items, dict)
+
+
+def _rebuild(original, items, fallback):
+    """A container of `original`'s type holding `items` (`fallback` if the type won't build so)."""
     try:
         return type(original)(items)
     except TypeError:
-        return dict(items)
+        return fallback(items)
 
 
 def _rebuild_dataclass(value, dtype, device_filter):

@@ -80,11 +80,10 @@ def _check_models_and_optimizers(models, optimizers):
                     )
 
 
-def _log_properties(base, properties, overrides):
+def _log_properties(base, properties):
     logger.info("Selected optimization level %s", properties_module.OPT_LEVELS[base.opt_level].brief)
     logger.info("Defaults for this optimization level are:\n%s", properties_module.format_options(base))
-    if overrides:
-        logger.info("Processing user overrides (additional kwargs that are not None)...")
+    logger.info("Processing user overrides (additional kwargs that are not None)...")
     logger.info(
         "After processing overrides, optimization options are:\n%s",
         properties_module.format_options(properties),
@@ -194,7 +193,7 @@ def initialize(
     try:
         _set_verbosity(verbosity, ledger)
         amp_state.verbosity = verbosity
-        _log_properties(base, properties, overrides)
+        _log_properties(base, properties)
         _apply(properties, model_list, optimizer_list, cast_model_outputs, ledger)
         amp_state.loss_scalers = [
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)

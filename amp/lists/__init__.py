@@ -5,6 +5,7 @@ import importlib
 
 from ..wrappers import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
 from . import (
+    fft_overrides,
     functional_overrides,
     linalg_overrides,
     rnn_overrides,
@@ -17,6 +18,7 @@ TABLES = (
     functional_overrides,
     tensor_overrides,
     linalg_overrides,
+    fft_overrides,
     rnn_overrides,
 )
 
@@ -35,6 +37,40 @@ NEWER_THAN_TORCH_2_1 = {
     ("torch.nn.functional", "rms_norm"): "torch 2.4",
     ("torch.linalg", "vecdot"): "torch 2.2",
     ("torch", "_scaled_dot_product_flash_attention"): "CUDA builds of torch 2.1",
+}
+
+
+# Ops torch registers for autocast (CUDA or CPU, torch 2.13) that no table names, and why. A test
+# compares this with the installed torch's dispatcher, so a torch upgrade that adds ops is seen.
+NOT_IN_TABLES = {
+    "_grid_sampler_2d_cpu_fallback": "reached through torch.grid_sampler / F.grid_sample",
+    "grid_sampler_2d": "reached through torch.grid_sampler / F.grid_sample",
+    "grid_sampler_3d": "reached through torch.grid_sampler / F.grid_sample",
+    "_lu_with_info": "private and deprecated; torch.linalg.lu_factor calls the FP32 kernels",
+    "_thnn_fused_gru_cell": "not reachable from Python; the cells go through torch._VF",
+    "_thnn_fused_lstm_cell": "not reachable from Python; the cells go through torch._VF",
+    "mkldnn_rnn_layer": "called from C++ inside torch._VF.lstm, which is patched",
+    "multilabel_margin_loss_forward": "reached through F.multilabel_margin_loss",
+    "cross_entropy_loss": "reached through F.cross_entropy",
+    "nll_loss2d": "reached through F.nll_loss",
+    "upsample_nearest1d": "reached through F.interpolate",
+    "upsample_nearest2d": "reached through F.interpolate",
+    "upsample_nearest3d": "reached through F.interpolate",
+    "_upsample_nearest_exact1d": "reached through F.interpolate",
+    "_upsample_nearest_exact2d": "reached through F.interpolate",
+    "_upsample_nearest_exact3d": "reached through F.interpolate",
+    "upsample_linear1d": "reached through F.interpolate",
+    "upsample_bilinear2d": "reached through F.interpolate",
+    "_upsample_bilinear2d_aa": "reached through F.interpolate",
+    "upsample_trilinear3d": "reached through F.interpolate",
+    "upsample_bicubic2d": "reached through F.interpolate",
+    "_upsample_bicubic2d_aa": "reached through F.interpolate",
+    "reflection_pad1d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
+    "reflection_pad2d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
+    "replication_pad1d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
+    "replication_pad2d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
+    "replication_pad3d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
+    "view_as_complex": "casting would turn a view into a copy",
 }
 
 
