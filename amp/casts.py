@@ -91,13 +91,15 @@ class WeightCastCache:
             ref, version, data_ptr, cast = entry
             if ref() is tensor and tensor._version == version and tensor.data_ptr() == data_ptr:
                 return cast
-        if torch.is_inference_mode_enabled():
-            # Inference tensors cannot join a graph later; such casts are not kept.
-            return tensor.to(dtype)
-        # Cast with grad on, so that a cast made under no_grad (an eval pass) is still a valid
-        # autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
-        with torch.enable_grad():
+        if torch.is_grad_enabled():
             cast = tensor.to(dtype)
+        elif torch.is_inference_mode_enabled():
+            return tensor.to(dtype)  # inference tensors cannot join a graph later: not kept
+        else:
+            # Cast with grad on, so that a cast made under no_grad (an eval pass) is still a
+            # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
+            with torch.enable_grad():
+                cast = tensor.to(dtype)
         self._entries[key] = (weakref.ref(tensor), tensor._version, tensor.data_ptr(), cast)
         return cast
 

@@ -1,6 +1,7 @@
 """Optimizer instrumentation: FP32 master weights, the gradient stash of scale_loss, skipped
 steps, and state dicts that carry the master weights."""
 
+import operator
 import types
 
 import torch
@@ -11,6 +12,7 @@ from .autocast import policy_scope
 from .diagnostics import OverflowReport
 
 MASTER_PARAMS_KEY = "amp_master_params"
+_grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step paths
 _PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
 
@@ -98,7 +100,8 @@ class OptimizerRecord:
 
     def prepare_backward(self):
         """Keep existing gradients apart, so this backward writes only its own into `.grad`."""
-        self.stash = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
+        params = self.plain_params()
+        self.stash = [(p, g) for p, g in zip(params, map(_grad, params)) if g is not None]
         for param, _ in self.stash:
             param.grad = None
         for model_param, _ in self.master_pairs:
@@ -123,7 +126,7 @@ class OptimizerRecord:
         Only the new gradients are checked for inf/NaN; `flag` records what is found.
         """
         inv_scale = scaler.inv_scale(flag.tensor.device)
-        plain = [p.grad for p in self.plain_params() if p.grad is not None]
+        plain = [g for g in map(_grad, self.plain_params()) if g is not None]
         kernels.unscale_(plain, inv_scale, flag.tensor)
         if self.stash:
             new, kept = [], []

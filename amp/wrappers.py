@@ -36,14 +36,21 @@ class _RunAsAsked(Exception):
 def _convert_sequence(values, policy, target, sources):
     """A list with the eligible tensors of `values` cast to `target`, or None if none is."""
     converted = None
-    for index, value in enumerate(values):
+    device_filter = policy.device_filter
+    cache = amp_state.cast_cache if target is policy.dtype and policy.cache_enabled else None
+    index = -1
+    for value in values:
+        index += 1
         if isinstance(value, _Tensor):
-            if value.dtype in sources and (
-                policy.device_filter is None or policy.device_filter(value)
-            ):
+            dtype = value.dtype
+            if dtype in sources and (device_filter is None or device_filter(value)):
                 if converted is None:
                     converted = list(values)
-                converted[index] = policy.cast(value, target)
+                # FP32 leaf tensors that require grad (weights) go through the cache.
+                if cache is not None and dtype is _float32 and value.requires_grad and value.is_leaf:
+                    converted[index] = cache.get(value, target)
+                else:
+                    converted[index] = value.to(target)
         elif value.__class__ in _SEQUENCES:
             inner = _convert_sequence(value, policy, target, sources)
             if inner is not None:

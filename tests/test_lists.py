@@ -65,6 +65,16 @@ def test_every_op_torch_registers_for_autocast_is_covered():
     assert uncovered == []
 
 
+def test_entries_promoted_by_torch_are_not_patched():
+    native = [(lists.resolve_namespace(e.namespace), e.name) for e in ENTRIES if e.kind == lists.PROMOTED_BY_TORCH]
+    assert len(native) == 34
+    before = [vars(namespace).get(name) for namespace, name in native]
+    with amp.autocast():
+        during = [vars(namespace).get(name) for namespace, name in native]
+        assert amp.lists.resolve_namespace("torch").mm.__amp_original__ is not None  # others are
+    assert all(a is b for a, b in zip(before, during))
+
+
 def test_every_entry_has_a_sample():
     for entry in ENTRIES:
         assert (entry.namespace, entry.name) in NAMESPACE_SAMPLES or entry.name in SAMPLES, _id(entry)
@@ -124,6 +134,7 @@ _INPUT_DTYPE = {
     wrappers.FP32: lambda low: lambda position: low,
     wrappers.PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
     wrappers.SEQUENCE_PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
+    lists.PROMOTED_BY_TORCH: lambda low: lambda position: torch.float32 if position == 0 else low,
     wrappers.BANNED: lambda low: lambda position: low,
 }
 

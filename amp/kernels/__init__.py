@@ -62,18 +62,22 @@ def _backend(device):
     return cuda_backend().module if device.type == "cuda" else _torch_backend
 
 
+_get_device = torch.Tensor.get_device  # an int per tensor: cheaper than building .device
+_size = torch.Tensor.size
+
+
 def _by_device(*lists):
     """Group parallel lists of tensors by the device of the first list's tensors."""
     first = lists[0]
-    device = first[0].device
-    if all(tensor.device == device for tensor in first):
-        return [(device, lists)]
+    indices = list(map(_get_device, first))
+    if indices.count(indices[0]) == len(indices):
+        return [(first[0].device, lists)]
     groups = {}
-    for index, tensor in enumerate(first):
-        groups.setdefault(tensor.device, []).append(index)
+    for position, index in enumerate(indices):
+        groups.setdefault(index, []).append(position)
     return [
-        (device, tuple([values[i] for i in indices] for values in lists))
-        for device, indices in groups.items()
+        (first[members[0]].device, tuple([values[i] for i in members] for values in lists))
+        for members in groups.values()
     ]
 
 
@@ -164,6 +168,10 @@ def _check_parallel(sources, destinations):
             f"expected as many destinations as sources, got {len(sources)} sources and "
             f"{len(destinations)} destinations"
         )
+    if list(map(_size, sources)) == list(map(_size, destinations)) and list(
+        map(_get_device, sources)
+    ) == list(map(_get_device, destinations)):
+        return
     for index, (source, destination) in enumerate(zip(sources, destinations)):
         if source.shape != destination.shape or source.device != destination.device:
             raise ValueError(

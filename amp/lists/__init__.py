@@ -22,12 +22,16 @@ TABLES = (
     rnn_overrides,
 )
 
+# Entries torch's type promotion already handles: listed, checked, never patched.
+PROMOTED_BY_TORCH = "promoted_by_torch"
+
 # Which list of a table holds which policy kind.
 LIST_KINDS = (
     ("FP16_FUNCS", LOWER_PRECISION),
     ("FP32_FUNCS", FP32),
     ("CASTS", PROMOTE),
     ("SEQUENCE_CASTS", SEQUENCE_PROMOTE),
+    ("PROMOTED_BY_TORCH", PROMOTED_BY_TORCH),
 )
 
 # Names that exist only in newer torch releases than the oldest one amp supports (2.1). A name

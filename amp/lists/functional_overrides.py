@@ -71,6 +71,8 @@ CASTS = ("bilinear",)
 
 SEQUENCE_CASTS = ()
 
+PROMOTED_BY_TORCH = ()
+
 BANNED_FUNCS = (
     (
         "binary_cross_entropy",

@@ -1,0 +1,152 @@
+"""A small transformer training step: FP32 vs torch.autocast + torch.amp.GradScaler vs amp O1.
+
+    python benchmarks/o1_transformer.py [--dtype bfloat16|float16] [--device cpu|cuda] [--steps N]
+
+The three variants run in the same process, in rounds whose order rotates (the first variant of a
+round runs a few percent slower here), on identical models and data; the table gives the median
+time per step over all rounds and the ratios to FP32 and to torch.autocast.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import print_table  # noqa: E402
+
+import amp  # noqa: E402
+
+VOCAB, WIDTH, HEADS, LAYERS, BATCH, LENGTH = 256, 128, 4, 2, 8, 64
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.position = torch.nn.Parameter(torch.randn(LENGTH, WIDTH) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(
+            WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = torch.nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+        self.mask = torch.nn.Transformer.generate_square_subsequent_mask(LENGTH)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.position
+        return self.head(self.blocks(x, mask=self.mask, is_causal=True))
+
+
+def make(device):
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optimizer
+
+
+def batches(device, count):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (count, BATCH, LENGTH + 1), generator=generator)
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
+
+
+def loss_fn(model, tokens, targets):
+    return F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+
+
+def step_fp32(model, optimizer, tokens, targets, _):
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model, tokens, targets).backward()
+    optimizer.step()
+
+
+def step_torch(model, optimizer, tokens, targets, context):
+    dtype, scaler, device = context
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=dtype):
+        loss = loss_fn(model, tokens, targets)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def step_amp(model, optimizer, tokens, targets, _):
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, tokens, targets)
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+
+
+def time_steps(step, model, optimizer, data, context, sync):
+    """The time of each step, the device drained after each."""
+    times = []
+    for tokens, targets in data:
+        begin = time.perf_counter()
+        step(model, optimizer, tokens, targets, context)
+        sync()
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def run(dtype, device, steps, rounds):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    data = batches(device, steps)
+    fp32, torch_amp, ours = make(device), make(device), make(device)
+    scaler = torch.amp.GradScaler(device)
+
+    def run_amp():
+        amp.initialize(*ours, opt_level="O1", dtype=dtype, verbosity=0)
+        try:
+            return time_steps(step_amp, *ours, data, None, sync)
+        finally:
+            amp.deinitialize()
+
+    variants = {
+        "fp32": lambda: time_steps(step_fp32, *fp32, data, None, sync),
+        "torch.autocast": lambda: time_steps(step_torch, *torch_amp, data, (dtype, scaler, device), sync),
+        "amp O1": run_amp,
+    }
+    names = list(variants)
+    times = {name: [] for name in names}
+    for round_index in range(rounds + 1):  # round 0 warms up
+        # Which variant goes first moves the numbers by a few percent here, so rotate it.
+        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        for name in order:
+            seconds = variants[name]()
+            if round_index:
+                times[name].extend(seconds)
+    # The median step: this 2-core machine is shared, and single steps are hit by outside noise.
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    medians = run(dtype, args.device, args.steps, args.rounds)
+    rows = [
+        {"variant": name, "time per step": seconds,
+         "/ fp32": seconds / medians["fp32"], "/ torch.autocast": seconds / medians["torch.autocast"]}
+        for name, seconds in medians.items()
+    ]
+    print_table(
+        f"transformer training step ({LAYERS} layers, width {WIDTH}, batch {BATCH}x{LENGTH}), "
+        f"{args.dtype} on {args.device}, median of {args.rounds} rounds x {args.steps} steps",
+        rows,
+        ["variant", "time per step", "/ fp32", "/ torch.autocast"],
+        time_columns=("time per step",),
+    )
+    return medians
+
+
+if __name__ == "__main__":
+    main()
