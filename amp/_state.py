@@ -41,6 +41,7 @@ class AmpState:
         self.models = []
         self.optimizers = []  # optimizer.OptimizerRecord per optimizer, in initialize's order
         self.masters = {}  # id(model parameter) -> its FP32 master (O2)
+        self.master_versions = {}  # id(model parameter) -> its version when amp last wrote it
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
         self.ledger = None  # patching.PatchLedger of the current initialize

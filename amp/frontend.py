@@ -237,8 +237,9 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
             model_module.cast_forward(
                 model, cast_dtype, cast_model_outputs or torch.float32, ledger
             )
-    for optimizer in optimizers:
+    for optimizer, record in zip(optimizers, amp_state.optimizers):
         optimizer_module.match_state_to_params(optimizer)  # state made before the model cast
+        record.remember_versions()  # the cast is amp's write
     if properties.patch_torch_functions:
         amp_state.torch_patches.acquire()
         ledger.add_undo("torch patches", amp_state.torch_patches.release)

@@ -147,6 +147,13 @@ def _load_into_masters(module, state_dict, prefix, *args):
                 master.copy_(value)
 
 
+def _loaded(module, incompatible_keys):
+    """Load-state-dict post-hook: what was just loaded is amp's own write, not an outside one."""
+    for param in module._parameters.values():
+        if param is not None and id(param) in amp_state.master_versions:
+            amp_state.master_versions[id(param)] = param._version
+
+
 def register_state_dict_hooks(model, ledger):
     """Make `state_dict()` FP32 at every level and `load_state_dict` refresh the masters."""
     for module in model.modules():
@@ -160,3 +167,4 @@ def register_state_dict_hooks(model, ledger):
         else:  # torch < 2.5
             handle = module._register_load_state_dict_pre_hook(_load_into_masters, with_module=True)
         ledger.add_hook(handle, "master weight load hook")
+        ledger.add_hook(module.register_load_state_dict_post_hook(_loaded), "master version hook")

@@ -1,6 +1,7 @@
 """Optimizer instrumentation: FP32 master weights, the gradient stash of scale_loss, skipped
 steps, and state dicts that carry the master weights."""
 
+import functools
 import operator
 import types
 
@@ -24,12 +25,6 @@ def check_optimizer(optimizer, index):
         )
     if "_amp_record" in vars(optimizer):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
-    for name in _PATCHED_METHODS:
-        if name in vars(optimizer):
-            raise RuntimeError(
-                f"Incoming optimizer already has {name} defined on the instance (by another "
-                "wrapper?). Pass the bare optimizer to amp.initialize and wrap it afterwards."
-            )
 
 
 def _new_master(param):
@@ -57,6 +52,28 @@ class OptimizerRecord:
     def add_master(self, param, master):
         self.master_pairs.append((param, master))
         amp_state.masters[id(param)] = master
+        amp_state.master_versions[id(param)] = param._version
+
+    def remember_versions(self):
+        """Note the model parameters' versions after amp (or a state-dict load) wrote them."""
+        versions = amp_state.master_versions
+        for model_param, _ in self.master_pairs:
+            versions[id(model_param)] = model_param._version
+
+    def follow_external_writes(self):
+        """Refresh the masters of model parameters written from outside amp.
+
+        DataParallel's initial broadcast, or a `param.copy_(...)` by the user, change the model
+        after the masters were made; the master follows (from the low-precision values, which
+        are then all there is). Writes through `.data` bypass the version counter.
+        """
+        versions = amp_state.master_versions
+        for model_param, master in self.master_pairs:
+            version = model_param._version
+            if version != versions.get(id(model_param)):
+                with torch.no_grad():
+                    master.copy_(model_param)
+                versions[id(model_param)] = version
 
     def plain_params(self):
         """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
@@ -93,6 +110,7 @@ class OptimizerRecord:
             if model_param.dtype is torch.float32:
                 model_param.grad = master.grad
             amp_state.masters.pop(id(model_param), None)
+            amp_state.master_versions.pop(id(model_param), None)
         self.master_pairs = []
         self._plain_cache = (None, [])
 
@@ -100,6 +118,7 @@ class OptimizerRecord:
 
     def prepare_backward(self):
         """Keep existing gradients apart, so this backward writes only its own into `.grad`."""
+        self.follow_external_writes()
         params = self.plain_params()
         self.stash = [(p, g) for p, g in zip(params, map(_grad, params)) if g is not None]
         for param, _ in self.stash:
@@ -170,6 +189,7 @@ class OptimizerRecord:
             masters = [master for _, master in self.master_pairs]
             with torch.no_grad():
                 kernels.copy_(masters, models)
+            self.remember_versions()
             for master in masters:
                 master.grad = None  # no model.zero_grad() reaches these (apex did the same)
         amp_state.cast_cache.clear()  # the weights changed
@@ -180,6 +200,10 @@ class OptimizerRecord:
         return [(loss_id, flag) for loss_id, flag in pending if flag.is_set()]
 
     def _skip(self, overflowed):
+        if getattr(self.originals["step"], "_wrapped_by_lr_sched", False):
+            # The user did call step(): an LR scheduler made before amp.initialize must not warn
+            # that its step() came first.
+            self.optimizer._opt_called = True
         grads = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
         grads += [(master, master.grad) for _, master in self.master_pairs if master.grad is not None]
         names = self._nonfinite_names(grads)
@@ -240,6 +264,7 @@ class OptimizerRecord:
                 for value, model_param, master in plan:
                     master.copy_(value)
                 kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
+            self.remember_versions()
         self._plain_cache = (None, [])
         amp_state.cast_cache.clear()
 
@@ -373,6 +398,25 @@ def match_state_to_params(optimizer):
                 state[key] = value.to(param.dtype)
 
 
+def _replacement(optimizer, name, original):
+    """The bound amp method for `optimizer.name`.
+
+    A bound method, so that an LR scheduler made later can wrap it (it reads `step.__func__`);
+    but when a scheduler made earlier already wrapped `step`, a function that keeps its mark, so
+    that the scheduler does not warn that step was overridden.
+    """
+    function = _REPLACEMENTS[name]
+    if not getattr(original, "_wrapped_by_lr_sched", False):
+        return types.MethodType(function, optimizer)
+
+    @functools.wraps(function)
+    def step(*args, **kwargs):
+        return function(optimizer, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
 def instrument(optimizer, params_with_masters, names, ledger):
     """Set `optimizer` up for amp: FP32 masters for `params_with_masters` (ids), patched methods.
 
@@ -394,11 +438,7 @@ def instrument(optimizer, params_with_masters, names, ledger):
                     record.add_master(param, master)
     for name in _PATCHED_METHODS:
         record.originals[name] = getattr(optimizer, name)
-        ledger.patch(
-            optimizer,
-            name,
-            lambda original, function=_REPLACEMENTS[name]: types.MethodType(function, optimizer),
-        )
+        ledger.patch(optimizer, name, lambda original, name=name: _replacement(optimizer, name, original))
     vars(optimizer)["_amp_record"] = record
     ledger.add_undo("forget the optimizer", lambda: vars(optimizer).pop("_amp_record", None))
     return record

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import print_table  # noqa: E402
+from tables import print_table  # noqa: E402
 
 from amp import kernels  # noqa: E402
 
@@ -102,7 +102,7 @@ def run(device):
     copy_time = timer.median_seconds(lambda: copy_source.copy_(big[0]), 20)
     moved = 8 * numel
     row = {
-        "case": f"large unscale ({numel * 4 / 2**30:.0f} GiB)",
+        "case": f"large unscale ({numel * 4 / 2**20:.0f} MiB)",
         "amp": amp_time,
         "torch": torch_time,
         "amp GB/s": moved / amp_time / 1e9,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import print_table  # noqa: E402
+from tables import print_table  # noqa: E402
 
 import amp  # noqa: E402
 

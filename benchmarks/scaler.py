@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import print_table  # noqa: E402
+from tables import print_table  # noqa: E402
 
 import amp  # noqa: E402
 

@@ -370,12 +370,16 @@ def test_o2_add_param_group_creates_masters_and_zero_grad():
         amp.deinitialize()
 
 
-def test_lr_scheduler_sees_no_overridden_step(recwarn):
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_lr_scheduler_sees_no_overridden_step(recwarn, scheduler_first):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if scheduler_first:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
     try:
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        if not scheduler_first:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         for step in range(3):
             with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
                 scaled.backward()
@@ -387,6 +391,7 @@ def test_lr_scheduler_sees_no_overridden_step(recwarn):
     finally:
         amp.deinitialize()
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+    assert "step" not in vars(optimizer) or getattr(optimizer.step, "_wrapped_by_lr_sched", False)
 
 
 def test_verbosity_two_names_the_parameters(caplog):
@@ -480,3 +485,26 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, opt_level):
         assert torch.equal(resumed["model"][key], value), key
     for key, value in uninterrupted["masters"].items():
         assert torch.equal(resumed["masters"][key], value), key
+
+
+def test_o2_masters_follow_writes_from_outside_amp():
+    """DataParallel's initial broadcast or a user's copy_ write the FP16 model after initialize."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        with torch.no_grad():
+            model[0].weight.copy_(torch.full_like(model[0].weight, 0.25))
+        exact = {k: v.clone() for k, v in make_model(3).state_dict().items()}
+        with amp.scale_loss(loss_of(model, 0), optimizer) as scaled:
+            masters = list(amp.master_params(optimizer))
+            assert torch.equal(masters[0], torch.full_like(masters[0], 0.25))
+            scaled.backward()
+        optimizer.step()
+        model.load_state_dict(exact)  # a load is amp's own write: the masters stay exact
+        with amp.scale_loss(loss_of(model, 1), optimizer) as scaled:
+            for master, key in zip(amp.master_params(optimizer), exact):
+                assert torch.equal(master, exact[key])
+            scaled.backward()
+    finally:
+        amp.deinitialize()

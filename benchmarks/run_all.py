@@ -1,0 +1,105 @@
+"""Every side-by-side benchmark in one run, summarised as one table of ratios.
+
+    python benchmarks/run_all.py            # or: make benchmark
+    python benchmarks/run_all.py --quick    # fewer rounds (a smoke run)
+
+Rows (a ratio below 1.00 means amp is faster):
+  O1 transformer step      amp O1 / torch.autocast + torch.amp.GradScaler, and / FP32
+  loss scaling + step      amp scale_loss + step / torch.amp.GradScaler, 300 parameter tensors
+  per-call overhead        a patched F.linear call / torch.autocast's; an autocast region enter + exit
+  kernels                  amp.kernels / torch's ops (unscale, copies, norm), and on a GPU the
+                           large unscale's bandwidth as a fraction of the datasheet's
+The individual scripts print their own detailed tables first.
+"""
+
+import argparse
+import os
+import sys
+import timeit
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kernels as kernel_benchmark  # noqa: E402
+import o1_transformer  # noqa: E402
+import scaler as scaler_benchmark  # noqa: E402
+from tables import print_table  # noqa: E402
+
+import amp  # noqa: E402
+
+
+def per_call(device, dtype):
+    """Median cost of one patched F.linear call and of one empty region, amp vs torch."""
+    linear = torch.nn.Linear(64, 64).to(device)
+    x = torch.randn(16, 64, device=device)
+    number = 2000
+
+    def best(fn):
+        return min(timeit.repeat(fn, number=number, repeat=7)) / number
+
+    with torch.autocast(device, dtype=dtype):
+        torch_call = best(lambda: F.linear(x, linear.weight, linear.bias))
+    with amp.autocast(dtype=dtype):
+        amp_call = best(lambda: F.linear(x, linear.weight, linear.bias))
+
+    def torch_region():
+        with torch.autocast(device, dtype=dtype):
+            pass
+
+    def amp_region():
+        with amp.autocast(dtype=dtype):
+            pass
+
+    return [
+        {"benchmark": "per-call overhead", "case": "patched F.linear call", "amp": amp_call,
+         "torch": torch_call, "amp / torch": amp_call / torch_call},
+        {"benchmark": "per-call overhead", "case": "region enter + exit", "amp": best(amp_region),
+         "torch": best(torch_region), "amp / torch": best(amp_region) / best(torch_region)},
+    ]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rounds = ["--rounds", "2", "--steps", "5"] if args.quick else []
+    summary = []
+
+    dtypes = ["bfloat16", "float16"] if device == "cuda" else ["bfloat16"]
+    for dtype in dtypes:
+        medians = o1_transformer.main(["--dtype", dtype, "--device", device] + rounds)
+        summary.append({"benchmark": "O1 transformer step", "case": dtype,
+                        "amp": medians["amp O1"], "torch": medians["torch.autocast"],
+                        "amp / torch": medians["amp O1"] / medians["torch.autocast"],
+                        "amp / fp32": medians["amp O1"] / medians["fp32"]})
+
+    medians = scaler_benchmark.main(["--device", device] + rounds)
+    floor = medians["plain"]
+    summary.append({"benchmark": "loss scaling + step", "case": "300 tensors",
+                    "amp": medians["amp"], "torch": medians["torch GradScaler"],
+                    "amp / torch": medians["amp"] / medians["torch GradScaler"],
+                    "overhead / torch's": (medians["amp"] - floor) / (medians["torch GradScaler"] - floor)})
+
+    summary += per_call(device, torch.bfloat16 if device == "cpu" else torch.float16)
+
+    for row in kernel_benchmark.main():
+        entry = {"benchmark": "kernels", "case": row["case"], "amp": row["amp"], "torch": row["torch"],
+                 "amp / torch": row["amp"] / row["torch"]}
+        if "of datasheet" in row:
+            entry["of bandwidth"] = row["of datasheet"]
+        summary.append(entry)
+
+    print_table(
+        f"summary on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} "
+        f"(torch {torch.__version__}, amp {amp.__version__})",
+        summary,
+        ["benchmark", "case", "amp", "torch", "amp / torch", "amp / fp32", "overhead / torch's", "of bandwidth"],
+        time_columns=("amp", "torch"),
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Every example runs to completion with tiny settings; the demo's opt levels converge alike."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
+sys.path.insert(0, EXAMPLES)
+
+import checkpoint  # noqa: E402
+import demo  # noqa: E402
+import gan  # noqa: E402
+import gradients  # noqa: E402
+import transformer_lm  # noqa: E402
+
+SCRIPTS = ["demo.py", "transformer_lm.py", "gan.py", "gradients.py", "checkpoint.py", "ddp.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_example_has_help(script):
+    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "--device" in result.stdout
+
+
+def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+    results = demo.main(["--epochs", "1", "--dtypes", "bfloat16", "--out", str(tmp_path)])
+    assert [(r["level"], r["dtype"]) for r in results] == [
+        ("O0", "float32"), ("O1", "bfloat16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
+    printed = capsys.readouterr().out
+    assert "accuracy" in printed and "skipped" in printed
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_mixed_precision_reaches_fp32_accuracy():
+    """The demo's convergence claim: O1 and O2 end within 2 points of O0's test accuracy."""
+    reference = demo.train("O0", torch.float16, epochs=6)["accuracy"]
+    assert reference > 0.9
+    for level in ("O1", "O2"):
+        for dtype in (torch.float16, torch.bfloat16):
+            accuracy = demo.train(level, dtype, epochs=6)["accuracy"]
+            assert abs(accuracy - reference) <= 0.02, (level, dtype, accuracy, reference)
+
+
+def test_transformer_lm_learns():
+    result = transformer_lm.train(steps=30, batch=8, length=32, width=64, layers=1, log_every=0,
+                                  show_progress=False)
+    assert result["held-out loss"] < 3.5  # below ln(96): better than uniform over the characters
+
+
+def test_gan_runs_with_three_loss_scalers():
+    result = gan.train(steps=20, show_progress=False)
+    assert len(result["loss scales"]) == 3
+    assert all(torch.isfinite(torch.tensor(v)) for v in (result["discriminator loss"], result["generator loss"]))
+
+
+@pytest.mark.parametrize("technique", sorted(gradients.TECHNIQUES))
+def test_gradient_techniques(technique):
+    assert gradients.run(technique, steps=40) > 0.7
+
+
+def test_checkpoint_resumes_bit_identical_in_a_fresh_process():
+    assert checkpoint.main(["--steps", "20", "--opt-level", "O2", "--device", "cpu"]) is True
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_ddp_ranks_stay_identical_when_one_rank_overflows(tmp_path, opt_level):
+    """Two real processes (gloo): an overflow on rank 1 only is skipped by both ranks."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master_port={_free_port()}", os.path.join(EXAMPLES, "ddp.py"), "--device", "cpu",
+         "--opt-level", opt_level, "--steps", "8", "--inject-overflow-rank", "1",
+         "--inject-overflow-step", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [3]
+    assert ranks[0]["scales"] == ranks[1]["scales"]
+    assert ranks[0]["scales"][3] == ranks[0]["scales"][2] / 2
+    for key, value in ranks[0]["model"].items():
+        assert torch.equal(value, ranks[1]["model"][key]), key
