@@ -155,7 +155,9 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
     if cast_inputs is not None and (
         not isinstance(cast_inputs, torch.dtype) or not cast_inputs.is_floating_point
     ):
-        raise ValueError(f"custom_fwd(cast_inputs=...) must be a floating dtype; got {cast_inputs!r}.")
+        raise ValueError(
+            f"custom_fwd(cast_inputs=...) must be a floating dtype; got {cast_inputs!r}."
+        )
     if device_type is not None and device_type not in DEVICE_TYPES:
         raise ValueError(f"custom_fwd(device_type={device_type!r}) must be one of {DEVICE_TYPES}.")
     device_filter = policy_for(torch.float16, device_type).device_filter

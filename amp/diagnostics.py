@@ -69,8 +69,10 @@ class Trace:
             for record in self.records
         ]
         widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-                 for row in [header] + rows]
+        lines = [
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+            for row in [header] + rows
+        ]
         lines.insert(1, "  ".join("-" * width for width in widths))
         casts = sum(record.cast for record in self.records)
         lines.append(f"{len(self.records)} patched calls, {casts} with casts")

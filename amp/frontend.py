@@ -34,7 +34,9 @@ def _check_positive(name, value, allow_none):
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number{' or None' if allow_none else ''}; got {value!r}.")
+        raise ValueError(
+            f"{name} must be a positive number{' or None' if allow_none else ''}; got {value!r}."
+        )
     return float(value)
 
 
@@ -81,8 +83,12 @@ def _check_models_and_optimizers(models, optimizers):
 
 
 def _log_properties(base, properties):
-    logger.info("Selected optimization level %s", properties_module.OPT_LEVELS[base.opt_level].brief)
-    logger.info("Defaults for this optimization level are:\n%s", properties_module.format_options(base))
+    logger.info(
+        "Selected optimization level %s", properties_module.OPT_LEVELS[base.opt_level].brief
+    )
+    logger.info(
+        "Defaults for this optimization level are:\n%s", properties_module.format_options(base)
+    )
     logger.info("Processing user overrides (additional kwargs that are not None)...")
     logger.info(
         "After processing overrides, optimization options are:\n%s",
@@ -185,8 +191,14 @@ def initialize(
     base, properties = properties_module.resolve(opt_level, dtype, **overrides)
     min_loss_scale = _check_positive("min_loss_scale", min_loss_scale, allow_none=True)
     max_loss_scale = _check_positive("max_loss_scale", max_loss_scale, allow_none=True)
-    if min_loss_scale is not None and max_loss_scale is not None and min_loss_scale > max_loss_scale:
-        raise ValueError(f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}.")
+    if (
+        min_loss_scale is not None
+        and max_loss_scale is not None
+        and min_loss_scale > max_loss_scale
+    ):
+        raise ValueError(
+            f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}."
+        )
     _check_models_and_optimizers(model_list, optimizer_list)
 
     ledger = PatchLedger()
@@ -292,15 +304,19 @@ def load_state_dict(state_dict):
             f"amp.load_state_dict expects the dict amp.state_dict() returned; got "
             f"{type(state_dict).__name__}."
         )
-    unexpected = [key for key in state_dict if not (isinstance(key, str) and _SCALER_KEY.match(key))]
+    unexpected = [
+        key for key in state_dict if not (isinstance(key, str) and _SCALER_KEY.match(key))
+    ]
     if unexpected:
         raise RuntimeError(
             "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
             + ", ".join(f'"{key}"' for key in unexpected)
             + ". "
         )
-    entries = {int(_SCALER_KEY.match(key).group(1)): check_state(key, value)
-               for key, value in state_dict.items()}
+    entries = {
+        int(_SCALER_KEY.match(key).group(1)): check_state(key, value)
+        for key, value in state_dict.items()
+    }
     scalers = amp_state.loss_scalers
     if len(entries) != len(scalers):
         warnings.warn(

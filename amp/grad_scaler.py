@@ -93,10 +93,20 @@ class GradScaler:
             raise ScalerValueError("The growth factor must be > 1.0.")
         if backoff_factor >= 1.0:
             raise ScalerValueError("The backoff factor must be < 1.0.")
-        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
-            raise ScalerValueError(f"init_scale must be a finite positive number; got {init_scale!r}.")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ScalerValueError(f"growth_interval must be a positive int; got {growth_interval!r}.")
+        if not (
+            isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0
+        ):
+            raise ScalerValueError(
+                f"init_scale must be a finite positive number; got {init_scale!r}."
+            )
+        if (
+            isinstance(growth_interval, bool)
+            or not isinstance(growth_interval, int)
+            or growth_interval < 1
+        ):
+            raise ScalerValueError(
+                f"growth_interval must be a positive int; got {growth_interval!r}."
+            )
         self._init_scale = init_scale
         self._scale = None
         self._growth_factor = growth_factor
@@ -370,8 +380,13 @@ class GradScaler:
                 "The source state dict is empty, possibly because it was saved from a disabled "
                 "instance of GradScaler."
             )
-        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval",
-                   "_growth_tracker"} - set(state_dict)
+        missing = {
+            "scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "_growth_tracker",
+        } - set(state_dict)
         if missing:
             raise KeyError(f"GradScaler.load_state_dict: missing {sorted(missing)}")
         self._init_scale = state_dict["scale"]

@@ -80,8 +80,10 @@ def scale_loss(
         yield loss
         return
     records = _records(optimizers)
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not (
-        0 <= loss_id < len(amp_state.loss_scalers)
+    if (
+        isinstance(loss_id, bool)
+        or not isinstance(loss_id, int)
+        or not (0 <= loss_id < len(amp_state.loss_scalers))
     ):
         raise ValueError(
             f"amp.scale_loss: loss_id={loss_id!r} is out of range; amp.initialize was called "

@@ -143,7 +143,11 @@ def _load_into_masters(module, state_dict, prefix, *args):
         for name, param in module._parameters.items():
             master = amp_state.masters.get(id(param)) if param is not None else None
             value = state_dict.get(prefix + name)
-            if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
+            if (
+                master is not None
+                and isinstance(value, torch.Tensor)
+                and value.shape == master.shape
+            ):
                 master.copy_(value)
 
 

@@ -205,7 +205,9 @@ class OptimizerRecord:
             # that its step() came first.
             self.optimizer._opt_called = True
         grads = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
-        grads += [(master, master.grad) for _, master in self.master_pairs if master.grad is not None]
+        grads += [
+            (master, master.grad) for _, master in self.master_pairs if master.grad is not None
+        ]
         names = self._nonfinite_names(grads)
         for _, master in self.master_pairs:
             master.grad = None
@@ -261,7 +263,7 @@ class OptimizerRecord:
         self.originals["load_state_dict"](state_dict)
         if plan:
             with torch.no_grad():
-                for value, model_param, master in plan:
+                for value, _, master in plan:
                     master.copy_(value)
                 kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
             self.remember_versions()
@@ -291,7 +293,9 @@ class OptimizerRecord:
                     f"{tuple(master.shape)}."
                 )
             if not value.is_floating_point():
-                raise ValueError(f"optimizer.load_state_dict: master weight {index} is not floating.")
+                raise ValueError(
+                    f"optimizer.load_state_dict: master weight {index} is not floating."
+                )
             plan.append((value, model_param, master))
         return plan
 
@@ -424,7 +428,9 @@ def instrument(optimizer, params_with_masters, names, ledger):
     """
     record = OptimizerRecord(optimizer, names)
     # Runs last on undo, after the model has its FP32 weights back.
-    ledger.add_undo("optimizer state in the parameters' dtype", lambda: match_state_to_params(optimizer))
+    ledger.add_undo(
+        "optimizer state in the parameters' dtype", lambda: match_state_to_params(optimizer)
+    )
     if params_with_masters:
         ledger.add_undo("optimizer steps its model parameters again", record.give_back_model_params)
         for group in optimizer.param_groups:
@@ -438,7 +444,9 @@ def instrument(optimizer, params_with_masters, names, ledger):
                     record.add_master(param, master)
     for name in _PATCHED_METHODS:
         record.originals[name] = getattr(optimizer, name)
-        ledger.patch(optimizer, name, lambda original, name=name: _replacement(optimizer, name, original))
+        ledger.patch(
+            optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)
+        )
     vars(optimizer)["_amp_record"] = record
     ledger.add_undo("forget the optimizer", lambda: vars(optimizer).pop("_amp_record", None))
     return record

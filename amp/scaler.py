@@ -89,9 +89,7 @@ class LossScaler:
             return
         scale = self._tensors(flag.tensor.device)
         found_inf = flag.tensor.to(scale.device, non_blocking=True)
-        torch._amp_update_scale_(
-            scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval
-        )
+        torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
         if self.min_loss_scale is not None or self.max_loss_scale is not None:
             scale.clamp_(min=self.min_loss_scale, max=self.max_loss_scale)
 
@@ -130,8 +128,10 @@ def check_state(key, state):
         scale = scale.item()
     if isinstance(unskipped, torch.Tensor):
         unskipped = unskipped.item()
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-        math.isfinite(scale) and scale > 0
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not (math.isfinite(scale) and scale > 0)
     ):
         raise ValueError(
             f"amp.load_state_dict: {key!r}['loss_scale'] must be a finite positive number; "

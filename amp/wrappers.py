@@ -47,7 +47,12 @@ def _convert_sequence(values, policy, target, sources):
                 if converted is None:
                     converted = list(values)
                 # FP32 leaf tensors that require grad (weights) go through the cache.
-                if cache is not None and dtype is _float32 and value.requires_grad and value.is_leaf:
+                if (
+                    cache is not None
+                    and dtype is _float32
+                    and value.requires_grad
+                    and value.is_leaf
+                ):
                     converted[index] = cache.get(value, target)
                 else:
                     converted[index] = value.to(target)

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from tables import print_table  # noqa: E402
+from harness import interleaved, print_table  # noqa: E402
 
 from amp import kernels  # noqa: E402
 
@@ -38,39 +38,46 @@ class Timer:
     def __init__(self, device):
         self.cuda = device.type == "cuda"
 
-    def median_seconds(self, fn, repeat, inner=1):
-        """Median over `repeat` timings of `inner` back-to-back calls, per call."""
-        fn()  # warm-up (compilation, allocator)
+    def _one(self, fn, inner):
+        """Seconds per call over `inner` back-to-back calls (CUDA events on a GPU)."""
         if self.cuda:
-            torch.cuda.synchronize()
-        times = []
-        for _ in range(repeat):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(inner):
-                    fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / inner)
-            else:
-                begin = time.perf_counter()
-                for _ in range(inner):
-                    fn()
-                times.append((time.perf_counter() - begin) / inner)
-        return statistics.median(times)
-
-    def wall_seconds(self, fn, calls):
-        """Wall time per call over `calls` calls, the device drained at both ends (host-bound work)."""
-        fn()
-        if self.cuda:
-            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
         begin = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(inner):
             fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - begin) / calls
+        return (time.perf_counter() - begin) / inner
+
+    def compare(self, amp_fn, torch_fn, repeat=15, inner=1, wall=False):
+        """(amp, torch) median seconds per call, the two measured in rotating order.
+
+        wall=True times with the host clock, the device drained at both ends: for host-bound
+        work (many small tensors), where the launch cost is what is measured.
+        """
+
+        def timings(fn):
+            def measure():
+                fn()  # warm-up: compilation, allocator
+                if wall:
+                    if self.cuda:
+                        torch.cuda.synchronize()
+                    begin = time.perf_counter()
+                    for _ in range(inner):
+                        fn()
+                    if self.cuda:
+                        torch.cuda.synchronize()
+                    return [(time.perf_counter() - begin) / inner]
+                return [self._one(fn, inner)]
+
+            return measure
+
+        times = interleaved({"amp": timings(amp_fn), "torch": timings(torch_fn)}, repeat)
+        return statistics.median(times["amp"]), statistics.median(times["torch"])
 
 
 def torch_unscale(tensors, inv_scale, found_inf):
@@ -91,15 +98,22 @@ def run(device):
     timer = Timer(device)
     found = torch.zeros((), device=device)
     rows = []
-    datasheet = DATASHEET_BYTES_PER_SECOND.get(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    datasheet = (
+        DATASHEET_BYTES_PER_SECOND.get(torch.cuda.get_device_name(device))
+        if device.type == "cuda"
+        else None
+    )
 
     # Large in-place unscale.
     numel = 2**28 if device.type == "cuda" else 2**23
     big = [torch.randn(numel, device=device)]
-    amp_time = timer.median_seconds(alternating(lambda inv: kernels.unscale_(big, inv, found), device), 20) / 2
-    torch_time = timer.median_seconds(alternating(lambda inv: torch_unscale(big, inv, found), device), 20) / 2
+    amp_time, torch_time = timer.compare(
+        alternating(lambda inv: kernels.unscale_(big, inv, found), device),
+        alternating(lambda inv: torch_unscale(big, inv, found), device),
+    )
+    amp_time, torch_time = amp_time / 2, torch_time / 2
     copy_source = torch.empty_like(big[0])
-    copy_time = timer.median_seconds(lambda: copy_source.copy_(big[0]), 20)
+    copy_time, _ = timer.compare(lambda: copy_source.copy_(big[0]), lambda: None, repeat=5)
     moved = 8 * numel
     row = {
         "case": f"large unscale ({numel * 4 / 2**20:.0f} MiB)",
@@ -116,11 +130,13 @@ def run(device):
     # Many small tensors: host-bound, so wall time per call.
     small = [torch.randn(4096, device=device) for _ in range(1000)]
     inv = torch.full((), 1.0, device=device)
-    rows.append({
-        "case": "1000 small tensors",
-        "amp": timer.wall_seconds(lambda: kernels.unscale_(small, inv, found), 200),
-        "torch": timer.wall_seconds(lambda: torch_unscale(small, inv, found), 200),
-    })
+    amp_time, torch_time = timer.compare(
+        lambda: kernels.unscale_(small, inv, found),
+        lambda: torch_unscale(small, inv, found),
+        inner=50,
+        wall=True,
+    )
+    rows.append({"case": "1000 small tensors", "amp": amp_time, "torch": torch_time})
 
     # Model gradients (fp16) into master gradients (fp32).
     numel = 2**27 if device.type == "cuda" else 2**22
@@ -132,10 +148,15 @@ def run(device):
         torch._foreach_copy_(destinations, sources)
         torch_unscale(destinations, inv, found)
 
-    amp_time = timer.median_seconds(lambda: kernels.unscale_to_(sources, destinations, inv, found), 20)
-    torch_time = timer.median_seconds(torch_unscale_to, 20)
-    row = {"case": "fp16 grads -> fp32 masters", "amp": amp_time, "torch": torch_time,
-           "amp GB/s": 6 * numel / amp_time / 1e9}
+    amp_time, torch_time = timer.compare(
+        lambda: kernels.unscale_to_(sources, destinations, inv, found), torch_unscale_to
+    )
+    row = {
+        "case": "fp16 grads -> fp32 masters",
+        "amp": amp_time,
+        "torch": torch_time,
+        "amp GB/s": 6 * numel / amp_time / 1e9,
+    }
     if datasheet:
         row["of datasheet"] = 6 * numel / amp_time / datasheet
     rows.append(row)
@@ -143,10 +164,15 @@ def run(device):
     # Master weights into the model.
     masters = [torch.randn(numel, device=device)]
     model = [torch.empty(numel, device=device, dtype=torch.float16)]
-    amp_time = timer.median_seconds(lambda: kernels.copy_(masters, model), 20)
-    torch_time = timer.median_seconds(lambda: torch._foreach_copy_(model, masters), 20)
-    row = {"case": "fp32 masters -> fp16 params", "amp": amp_time, "torch": torch_time,
-           "amp GB/s": 6 * numel / amp_time / 1e9}
+    amp_time, torch_time = timer.compare(
+        lambda: kernels.copy_(masters, model), lambda: torch._foreach_copy_(model, masters)
+    )
+    row = {
+        "case": "fp32 masters -> fp16 params",
+        "amp": amp_time,
+        "torch": torch_time,
+        "amp GB/s": 6 * numel / amp_time / 1e9,
+    }
     if datasheet:
         row["of datasheet"] = 6 * numel / amp_time / datasheet
     rows.append(row)
@@ -157,11 +183,10 @@ def run(device):
     def torch_norm():
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
-    rows.append({
-        "case": "l2 norm, 300 tensors",
-        "amp": timer.wall_seconds(lambda: kernels.l2_norm(grads), 100),
-        "torch": timer.wall_seconds(torch_norm, 100),
-    })
+    amp_time, torch_time = timer.compare(
+        lambda: kernels.l2_norm(grads), torch_norm, inner=5, wall=True
+    )
+    rows.append({"case": "l2 norm, 300 tensors", "amp": amp_time, "torch": torch_time})
     return rows
 
 
@@ -174,8 +199,21 @@ def main():
     rows = run(device)
     for row in rows:
         row["amp / torch"] = row["amp"] / row["torch"]
-    print_table(title, rows, ["case", "amp", "torch", "amp / torch", "amp GB/s", "copy GB/s",
-                              "of datasheet", "torch of datasheet"], time_columns=("amp", "torch"))
+    print_table(
+        title,
+        rows,
+        [
+            "case",
+            "amp",
+            "torch",
+            "amp / torch",
+            "amp GB/s",
+            "copy GB/s",
+            "of datasheet",
+            "torch of datasheet",
+        ],
+        time_columns=("amp", "torch"),
+    )
     return rows
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tables import print_table  # noqa: E402
+from harness import interleaved, print_table  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -108,18 +108,12 @@ def run(dtype, device, steps, rounds):
 
     variants = {
         "fp32": lambda: time_steps(step_fp32, *fp32, data, None, sync),
-        "torch.autocast": lambda: time_steps(step_torch, *torch_amp, data, (dtype, scaler, device), sync),
+        "torch.autocast": lambda: time_steps(
+            step_torch, *torch_amp, data, (dtype, scaler, device), sync
+        ),
         "amp O1": run_amp,
     }
-    names = list(variants)
-    times = {name: [] for name in names}
-    for round_index in range(rounds + 1):  # round 0 warms up
-        # Which variant goes first moves the numbers by a few percent here, so rotate it.
-        order = names[round_index % len(names):] + names[: round_index % len(names)]
-        for name in order:
-            seconds = variants[name]()
-            if round_index:
-                times[name].extend(seconds)
+    times = interleaved(variants, rounds)
     # The median step: this 2-core machine is shared, and single steps are hit by outside noise.
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -127,15 +121,21 @@ def run(dtype, device, steps, rounds):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--steps", type=int, default=20, help="steps per round")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     medians = run(dtype, args.device, args.steps, args.rounds)
     rows = [
-        {"variant": name, "time per step": seconds,
-         "/ fp32": seconds / medians["fp32"], "/ torch.autocast": seconds / medians["torch.autocast"]}
+        {
+            "variant": name,
+            "time per step": seconds,
+            "/ fp32": seconds / medians["fp32"],
+            "/ torch.autocast": seconds / medians["torch.autocast"],
+        }
         for name, seconds in medians.items()
     ]
     print_table(

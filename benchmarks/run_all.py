@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kernels as kernel_benchmark  # noqa: E402
 import o1_transformer  # noqa: E402
 import scaler as scaler_benchmark  # noqa: E402
-from tables import print_table  # noqa: E402
+from harness import print_table  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -52,10 +52,20 @@ def per_call(device, dtype):
             pass
 
     return [
-        {"benchmark": "per-call overhead", "case": "patched F.linear call", "amp": amp_call,
-         "torch": torch_call, "amp / torch": amp_call / torch_call},
-        {"benchmark": "per-call overhead", "case": "region enter + exit", "amp": best(amp_region),
-         "torch": best(torch_region), "amp / torch": best(amp_region) / best(torch_region)},
+        {
+            "benchmark": "per-call overhead",
+            "case": "patched F.linear call",
+            "amp": amp_call,
+            "torch": torch_call,
+            "amp / torch": amp_call / torch_call,
+        },
+        {
+            "benchmark": "per-call overhead",
+            "case": "region enter + exit",
+            "amp": best(amp_region),
+            "torch": best(torch_region),
+            "amp / torch": best(amp_region) / best(torch_region),
+        },
     ]
 
 
@@ -70,23 +80,40 @@ def main(argv=None):
     dtypes = ["bfloat16", "float16"] if device == "cuda" else ["bfloat16"]
     for dtype in dtypes:
         medians = o1_transformer.main(["--dtype", dtype, "--device", device] + rounds)
-        summary.append({"benchmark": "O1 transformer step", "case": dtype,
-                        "amp": medians["amp O1"], "torch": medians["torch.autocast"],
-                        "amp / torch": medians["amp O1"] / medians["torch.autocast"],
-                        "amp / fp32": medians["amp O1"] / medians["fp32"]})
+        summary.append(
+            {
+                "benchmark": "O1 transformer step",
+                "case": dtype,
+                "amp": medians["amp O1"],
+                "torch": medians["torch.autocast"],
+                "amp / torch": medians["amp O1"] / medians["torch.autocast"],
+                "amp / fp32": medians["amp O1"] / medians["fp32"],
+            }
+        )
 
     medians = scaler_benchmark.main(["--device", device] + rounds)
     floor = medians["plain"]
-    summary.append({"benchmark": "loss scaling + step", "case": "300 tensors",
-                    "amp": medians["amp"], "torch": medians["torch GradScaler"],
-                    "amp / torch": medians["amp"] / medians["torch GradScaler"],
-                    "overhead / torch's": (medians["amp"] - floor) / (medians["torch GradScaler"] - floor)})
+    summary.append(
+        {
+            "benchmark": "loss scaling + step",
+            "case": "300 tensors",
+            "amp": medians["amp"],
+            "torch": medians["torch GradScaler"],
+            "amp / torch": medians["amp"] / medians["torch GradScaler"],
+            "overhead / torch's": (medians["amp"] - floor) / (medians["torch GradScaler"] - floor),
+        }
+    )
 
     summary += per_call(device, torch.bfloat16 if device == "cpu" else torch.float16)
 
     for row in kernel_benchmark.main():
-        entry = {"benchmark": "kernels", "case": row["case"], "amp": row["amp"], "torch": row["torch"],
-                 "amp / torch": row["amp"] / row["torch"]}
+        entry = {
+            "benchmark": "kernels",
+            "case": row["case"],
+            "amp": row["amp"],
+            "torch": row["torch"],
+            "amp / torch": row["amp"] / row["torch"],
+        }
         if "of datasheet" in row:
             entry["of bandwidth"] = row["of datasheet"]
         summary.append(entry)
@@ -95,7 +122,16 @@ def main(argv=None):
         f"summary on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} "
         f"(torch {torch.__version__}, amp {amp.__version__})",
         summary,
-        ["benchmark", "case", "amp", "torch", "amp / torch", "amp / fp32", "overhead / torch's", "of bandwidth"],
+        [
+            "benchmark",
+            "case",
+            "amp",
+            "torch",
+            "amp / torch",
+            "amp / fp32",
+            "overhead / torch's",
+            "of bandwidth",
+        ],
         time_columns=("amp", "torch"),
     )
     return summary

@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tables import print_table  # noqa: E402
+from harness import interleaved, print_table  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -27,7 +27,9 @@ import amp  # noqa: E402
 class ManyTensors(torch.nn.Module):
     def __init__(self, tensors, width=16):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(tensors // 2))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(width, width) for _ in range(tensors // 2)
+        )
 
     def forward(self, x):
         total = 0
@@ -54,7 +56,7 @@ def run(tensors, device, steps, rounds):
         for _ in range(steps):
             body()
         sync()
-        return (time.perf_counter() - begin) / steps
+        return [(time.perf_counter() - begin) / steps]
 
     def plain_step():
         model, optimizer = plain
@@ -83,30 +85,35 @@ def run(tensors, device, steps, rounds):
         finally:
             amp.deinitialize()
 
-    variants = {"plain": lambda: timed(plain_step), "torch GradScaler": lambda: timed(torch_step), "amp": amp_round}
-    names = list(variants)
-    times = {name: [] for name in names}
-    for round_index in range(rounds + 1):
-        order = names[round_index % 3:] + names[: round_index % 3]
-        for name in order:
-            seconds = variants[name]()
-            if round_index:
-                times[name].append(seconds)
+    variants = {
+        "plain": lambda: timed(plain_step),
+        "torch GradScaler": lambda: timed(torch_step),
+        "amp": amp_round,
+    }
+    times = interleaved(variants, rounds)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=300)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     medians = run(args.tensors, args.device, args.steps, args.rounds)
     floor = medians["plain"]
-    rows = [{"variant": name, "time per iteration": seconds,
-             "overhead": seconds - floor, "/ torch": seconds / medians["torch GradScaler"]}
-            for name, seconds in medians.items()]
+    rows = [
+        {
+            "variant": name,
+            "time per iteration": seconds,
+            "overhead": seconds - floor,
+            "/ torch": seconds / medians["torch GradScaler"],
+        }
+        for name, seconds in medians.items()
+    ]
     overhead_ratio = (medians["amp"] - floor) / (medians["torch GradScaler"] - floor)
     print_table(
         f"loss scaling + step, {args.tensors} parameter tensors, {args.device}; "

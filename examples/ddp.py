@@ -52,15 +52,18 @@ def main(argv=None):
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.01)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4)
-    model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level,
-                                      dtype=getattr(torch, args.dtype), verbosity=0)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=args.opt_level, dtype=getattr(torch, args.dtype), verbosity=0
+    )
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
 
     scales, skipped = [], []
     generator = torch.Generator().manual_seed(7)  # the same batch order on every rank
     steps = range(args.steps)
     for step in progress(steps, desc=f"rank {rank}") if rank == 0 else steps:
-        index = torch.randint(0, len(train_x), (64 * world,), generator=generator)[rank::world].to(device)
+        index = torch.randint(0, len(train_x), (64 * world,), generator=generator)[rank::world].to(
+            device
+        )
         loss = F.cross_entropy(model(train_x[index]), train_y[index])
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
@@ -79,9 +82,14 @@ def main(argv=None):
     state = {key: value.cpu() for key, value in model.module.state_dict().items()}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        torch.save({"model": state, "scales": scales, "skipped": skipped, "accuracy": accuracy},
-                   os.path.join(args.out, f"rank{rank}.pt"))
-    print(f"rank {rank}: accuracy {accuracy:.4f}, skipped steps {skipped}, final loss scale {scales[-1]}", flush=True)
+        torch.save(
+            {"model": state, "scales": scales, "skipped": skipped, "accuracy": accuracy},
+            os.path.join(args.out, f"rank{rank}.pt"),
+        )
+    print(
+        f"rank {rank}: accuracy {accuracy:.4f}, skipped steps {skipped}, final loss scale {scales[-1]}",
+        flush=True,
+    )
     amp.deinitialize()
     dist.destroy_process_group()
 

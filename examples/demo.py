@@ -56,7 +56,9 @@ def train(opt_level, dtype, device="cpu", epochs=20, batch_size=64, lr=3e-3, sho
     model = make_model().to(device)
     # eps=1e-4: O3 steps the FP16 weights themselves, where Adam's default 1e-8 is zero.
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4, eps=1e-4)
-    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0
+    )
     losses, scales, skipped, step_times = [], [], 0, []
     try:
         generator = torch.Generator().manual_seed(1)
@@ -118,11 +120,18 @@ def plot(results, path):
         label = f"{result['level']} {result['dtype']}"
         window = 10
         losses = result["losses"]
-        smooth = [sum(losses[max(0, i - window) : i + 1]) / len(losses[max(0, i - window) : i + 1])
-                  for i in range(len(losses))]
+        smooth = [
+            sum(losses[max(0, i - window) : i + 1]) / len(losses[max(0, i - window) : i + 1])
+            for i in range(len(losses))
+        ]
         loss_axes.plot(smooth, label=label, linewidth=1)
         scale_axes.plot(result["scales"], label=label, linewidth=1)
-    loss_axes.set(title="training loss (moving average of 10 steps)", xlabel="step", ylabel="cross entropy", yscale="log")
+    loss_axes.set(
+        title="training loss (moving average of 10 steps)",
+        xlabel="step",
+        ylabel="cross entropy",
+        yscale="log",
+    )
     scale_axes.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
     loss_axes.legend(fontsize=8)
     scale_axes.legend(fontsize=8)
@@ -136,8 +145,12 @@ def main(argv=None):
     device_argument(parser)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--levels", nargs="+", default=["O0", "O1", "O2", "O3"])
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"), help="folder for the plot")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"]
+    )
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "out"), help="folder for the plot"
+    )
     args = parser.parse_args(argv)
     dtypes = [getattr(torch, name) for name in args.dtypes]
     results = [
@@ -151,7 +164,11 @@ def main(argv=None):
         cells = []
         for column in columns:
             value = result[column]
-            cells.append(f"{value:>11.4f}" if isinstance(value, float) and column != "loss scale" else f"{value:>11}")
+            cells.append(
+                f"{value:>11.4f}"
+                if isinstance(value, float) and column != "loss scale"
+                else f"{value:>11}"
+            )
         print("  ".join(cells))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "demo.png")

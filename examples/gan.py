@@ -28,11 +28,16 @@ NOISE = 16
 def make_models(device):
     torch.manual_seed(0)
     generator = torch.nn.Sequential(
-        torch.nn.Linear(NOISE, 128), torch.nn.BatchNorm1d(128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 64), torch.nn.Sigmoid(),
+        torch.nn.Linear(NOISE, 128),
+        torch.nn.BatchNorm1d(128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 64),
+        torch.nn.Sigmoid(),
     ).to(device)
     discriminator = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.LeakyReLU(0.2), torch.nn.Linear(128, 1),
+        torch.nn.Linear(64, 128),
+        torch.nn.LeakyReLU(0.2),
+        torch.nn.Linear(128, 1),
     ).to(device)
     return generator, discriminator
 
@@ -41,15 +46,21 @@ def train(opt_level="O1", dtype="float16", device="cpu", steps=400, batch=64, sh
     images = load_digits(device)[0]
     generator, discriminator = make_models(device)
     optimizer_g = torch.optim.Adam(generator.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4)
-    optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4)
+    optimizer_d = torch.optim.Adam(
+        discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999), eps=1e-4
+    )
     [generator, discriminator], [optimizer_g, optimizer_d] = amp.initialize(
-        [generator, discriminator], [optimizer_g, optimizer_d], opt_level=opt_level,
-        dtype=getattr(torch, dtype), num_losses=3, verbosity=0,
+        [generator, discriminator],
+        [optimizer_g, optimizer_d],
+        opt_level=opt_level,
+        dtype=getattr(torch, dtype),
+        num_losses=3,
+        verbosity=0,
     )
     sampler = torch.Generator().manual_seed(1)
     history = {"discriminator": [], "generator": []}
     try:
-        for _ in (progress(range(steps), desc=f"GAN {opt_level}") if show_progress else range(steps)):
+        for _ in progress(range(steps), desc=f"GAN {opt_level}") if show_progress else range(steps):
             real = images[torch.randint(0, len(images), (batch,), generator=sampler).to(device)]
             noise = torch.randn(batch, NOISE, generator=sampler).to(device)
             ones = torch.ones(batch, 1, device=device)
@@ -79,7 +90,9 @@ def train(opt_level="O1", dtype="float16", device="cpu", steps=400, batch=64, sh
             real = images[:256]
             fake = generator(torch.randn(256, NOISE, generator=sampler).to(device))
             scores = torch.sigmoid(discriminator(torch.cat([real, fake])).float()).flatten()
-            accuracy = ((scores[:256] > 0.5).float().mean() + (scores[256:] <= 0.5).float().mean()).item() / 2
+            accuracy = (
+                (scores[:256] > 0.5).float().mean() + (scores[256:] <= 0.5).float().mean()
+            ).item() / 2
         scales = [entry["loss_scale"] for entry in amp.state_dict().values()]
     finally:
         amp.deinitialize()

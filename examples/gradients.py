@@ -58,7 +58,9 @@ def accumulation(model, optimizer, data, steps, dtype, micro_batches=4):
                 index = next(batches)
                 loss = F.cross_entropy(model(train_x[index]), train_y[index]) / micro_batches
                 # Leave the gradients scaled until the last micro-batch; it unscales them all.
-                with amp.scale_loss(loss, optimizer, delay_unscale=micro < micro_batches - 1) as scaled:
+                with amp.scale_loss(
+                    loss, optimizer, delay_unscale=micro < micro_batches - 1
+                ) as scaled:
                     scaled.backward()
             optimizer.step()
             optimizer.zero_grad()

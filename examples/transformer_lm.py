@@ -30,12 +30,20 @@ class CharTransformer(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab, width)
         self.position = torch.nn.Parameter(torch.randn(length, width) * 0.02)
         layer = torch.nn.TransformerEncoderLayer(
-            width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+            width,
+            heads,
+            4 * width,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=True,
+            activation="gelu",
         )
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, vocab)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(length), persistent=False)
+        self.register_buffer(
+            "mask", torch.nn.Transformer.generate_square_subsequent_mask(length), persistent=False
+        )
 
     def forward(self, tokens):
         length = tokens.shape[1]
@@ -68,24 +76,42 @@ def evaluate(model, data, length, batch=32):
         for start in range(0, min(len(data) - length - 1, 64 * length), length):
             rows = data[start : start + length + 1].unsqueeze(0)
             logits = model(rows[:, :-1])
-            losses.append(F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).item())
+            losses.append(
+                F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).item()
+            )
     model.train()
     return sum(losses) / len(losses)
 
 
-def train(opt_level="O1", dtype="bfloat16", device="cpu", steps=300, batch=16, length=64, width=128,
-          heads=4, layers=2, lr=3e-3, log_every=50, show_progress=True):
+def train(
+    opt_level="O1",
+    dtype="bfloat16",
+    device="cpu",
+    steps=300,
+    batch=16,
+    length=64,
+    width=128,
+    heads=4,
+    layers=2,
+    lr=3e-3,
+    log_every=50,
+    show_progress=True,
+):
     vocabulary, train_data, held_out = load_text(device)
     torch.manual_seed(0)
     model = CharTransformer(len(vocabulary), width, heads, layers, length).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, eps=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
-    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=getattr(torch, dtype), verbosity=0)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=getattr(torch, dtype), verbosity=0
+    )
     generator = torch.Generator().manual_seed(1)
     history = []
     try:
         stream = batches(train_data, batch, length, generator)
-        for step in (progress(range(steps), desc=f"{opt_level} {dtype}") if show_progress else range(steps)):
+        for step in (
+            progress(range(steps), desc=f"{opt_level} {dtype}") if show_progress else range(steps)
+        ):
             tokens, targets = next(stream)
             logits = model(tokens)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -97,7 +123,10 @@ def train(opt_level="O1", dtype="bfloat16", device="cpu", steps=300, batch=16, l
             schedule.step()
             history.append(loss.item())
             if log_every and (step + 1) % log_every == 0:
-                print(f"step {step + 1:5d}  loss {sum(history[-log_every:]) / log_every:.3f}", flush=True)
+                print(
+                    f"step {step + 1:5d}  loss {sum(history[-log_every:]) / log_every:.3f}",
+                    flush=True,
+                )
         held_out_loss = evaluate(model, held_out, length)
     finally:
         amp.deinitialize()
@@ -115,10 +144,20 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
-    result = train(args.opt_level, args.dtype, args.device, args.steps, args.batch, args.length,
-                   args.width, layers=args.layers)
-    print(f"held-out loss {result['held-out loss']:.3f} nats/char "
-          f"(perplexity {math.exp(result['held-out loss']):.2f}); final train loss {result['train loss']:.3f}")
+    result = train(
+        args.opt_level,
+        args.dtype,
+        args.device,
+        args.steps,
+        args.batch,
+        args.length,
+        args.width,
+        layers=args.layers,
+    )
+    print(
+        f"held-out loss {result['held-out loss']:.3f} nats/char "
+        f"(perplexity {math.exp(result['held-out loss']):.2f}); final train loss {result['train loss']:.3f}"
+    )
     return result
 
 

@@ -21,7 +21,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             if REQUIRE_CUDA:
-                item.add_marker(pytest.mark.xfail(reason="AMP_REQUIRE_CUDA=1 but no GPU", strict=True, run=False))
+                item.add_marker(
+                    pytest.mark.xfail(
+                        reason="AMP_REQUIRE_CUDA=1 but no GPU", strict=True, run=False
+                    )
+                )
             else:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 

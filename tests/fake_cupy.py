@@ -56,7 +56,9 @@ class FakeKernel:
         self.launches.calls.append((self.name, grid, len(args)))
         if self.kernel == "amp_norm_finalize":
             partial, count, out = args
-            _view(out, 1, torch.float32)[0] = _view(partial, count, torch.float32).double().sum().sqrt()
+            _view(out, 1, torch.float32)[0] = (
+                _view(partial, count, torch.float32).double().sum().sqrt()
+            )
             return
         meta, chunk = args[0], args[-1]
         record = meta[0]
@@ -67,12 +69,14 @@ class FakeKernel:
 
     def _chunk(self, record, args, chunk_index, slot, first, count):
         source_dtype = self.types[0]
-        source = _view(int(record["ptr"][0][slot]) + first * source_dtype.itemsize, count, source_dtype)
+        source = _view(
+            int(record["ptr"][0][slot]) + first * source_dtype.itemsize, count, source_dtype
+        )
         if self.kernel == "amp_sum_squares":
             partial, first_chunk = args[1], args[2]
-            _view(partial, first_chunk + chunk_index + 1, torch.float32)[first_chunk + chunk_index] = (
-                source.float().square().sum()
-            )
+            _view(partial, first_chunk + chunk_index + 1, torch.float32)[
+                first_chunk + chunk_index
+            ] = source.float().square().sum()
             return
         scale_address, flag_address = args[1], args[2]
         values = source.float()
@@ -85,7 +89,9 @@ class FakeKernel:
             return
         destination_dtype = self.types[1]
         destination = _view(
-            int(record["ptr"][1][slot]) + first * destination_dtype.itemsize, count, destination_dtype
+            int(record["ptr"][1][slot]) + first * destination_dtype.itemsize,
+            count,
+            destination_dtype,
         )
         if self.kernel == "amp_scale_add":
             values = destination.float() + values
@@ -98,7 +104,9 @@ def install(monkeypatch, multiprocessors=2):
 
     class RawModule:
         def __init__(self, code, options, name_expressions):
-            assert "-std=c++17" in options and any(o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options)
+            assert "-std=c++17" in options and any(
+                o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options
+            )
             self.names = set(name_expressions)
 
         def get_function(self, name):
@@ -127,7 +135,9 @@ def install(monkeypatch, multiprocessors=2):
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
-        lambda index: types.SimpleNamespace(multi_processor_count=multiprocessors, major=9, minor=0),
+        lambda index: types.SimpleNamespace(
+            multi_processor_count=multiprocessors, major=9, minor=0
+        ),
     )
     import amp.kernels
 
@@ -137,4 +147,3 @@ def install(monkeypatch, multiprocessors=2):
     # Registered with monkeypatch so that teardown removes it: the real one is imported afresh.
     monkeypatch.setitem(sys.modules, "amp.kernels._cupy_backend", backend)
     return backend, launches
-

@@ -20,11 +20,18 @@ def _well_conditioned(make, n=3):
 
 
 def _lower(make, n=3):
-    return make(tensor=torch.linalg.cholesky(torch.randn(n, n) @ torch.randn(n, n).T + n * torch.eye(n)))
+    return make(
+        tensor=torch.linalg.cholesky(torch.randn(n, n) @ torch.randn(n, n).T + n * torch.eye(n))
+    )
 
 
 def _rnn_weights(make, gates, hidden=H, inputs=C):
-    return [make(gates * hidden, inputs), make(gates * hidden, hidden), make(gates * hidden), make(gates * hidden)]
+    return [
+        make(gates * hidden, inputs),
+        make(gates * hidden, hidden),
+        make(gates * hidden),
+        make(gates * hidden),
+    ]
 
 
 def _vf_rnn(make, gates, two_states):
@@ -52,7 +59,24 @@ def _unpool(make, dims):
 
 SAMPLES = {
     # -- lower precision ---------------------------------------------------------------------------
-    "_convolution": lambda m: ((m(1, 2, 5, 5), m(3, 2, 3, 3), m(3), [1, 1], [0, 0], [1, 1], False, [0, 0], 1, False, False, True, True), {}),
+    "_convolution": lambda m: (
+        (
+            m(1, 2, 5, 5),
+            m(3, 2, 3, 3),
+            m(3),
+            [1, 1],
+            [0, 0],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+            False,
+            False,
+            True,
+            True,
+        ),
+        {},
+    ),
     "conv1d": lambda m: ((m(1, 2, 8), m(3, 2, 3), m(3)), {}),
     "conv2d": lambda m: ((m(1, 2, 6, 6), m(3, 2, 3, 3), m(3)), {}),
     "conv3d": lambda m: ((m(1, 2, 4, 4, 4), m(3, 2, 2, 2, 2)), {}),
@@ -60,8 +84,14 @@ SAMPLES = {
     "conv_transpose1d": lambda m: ((m(1, 2, 5), m(2, 3, 3)), {}),
     "conv_transpose2d": lambda m: ((m(1, 2, 4, 4), m(2, 3, 3, 3)), {}),
     "conv_transpose3d": lambda m: ((m(1, 2, 3, 3, 3), m(2, 3, 2, 2, 2)), {}),
-    "convolution": lambda m: ((m(1, 2, 5, 5), m(3, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), {}),
-    "cudnn_convolution": lambda m: ((m(1, 2, 5, 5), m(3, 2, 3, 3), [0, 0], [1, 1], [1, 1], 1, False, False, True), {}),
+    "convolution": lambda m: (
+        (m(1, 2, 5, 5), m(3, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+        {},
+    ),
+    "cudnn_convolution": lambda m: (
+        (m(1, 2, 5, 5), m(3, 2, 3, 3), [0, 0], [1, 1], [1, 1], 1, False, False, True),
+        {},
+    ),
     "cudnn_convolution_transpose": lambda m: (
         (m(1, 2, 4, 4), m(2, 3, 3, 3), [0, 0], [0, 0], [1, 1], [1, 1], 1, False, False, True),
         {},
@@ -87,7 +117,10 @@ SAMPLES = {
     "rnn_relu_cell": lambda m: ((m(2, C), m(2, H), *_rnn_weights(m, 1)), {}),
     "linear": lambda m: ((m(2, 4), m(3, 4), m(3)), {}),
     "scaled_dot_product_attention": lambda m: ((m(1, 2, 4, 8), m(1, 2, 4, 8), m(1, 2, 4, 8)), {}),
-    "_scaled_dot_product_flash_attention": lambda m: ((m(1, 2, 4, 8), m(1, 2, 4, 8), m(1, 2, 4, 8)), {}),
+    "_scaled_dot_product_flash_attention": lambda m: (
+        (m(1, 2, 4, 8), m(1, 2, 4, 8), m(1, 2, 4, 8)),
+        {},
+    ),
     "_native_multi_head_attention": lambda m: (
         (m(2, 3, 8), m(2, 3, 8), m(2, 3, 8), 8, 2, m(24, 8), m(24), m(8, 8), m(8)),
         {},
@@ -149,7 +182,12 @@ SAMPLES = {
     "triplet_margin_loss": lambda m: ((m(3, 4), m(3, 4), m(3, 4)), {}),
     "binary_cross_entropy_with_logits": lambda m: ((m(3, 4), m(3, 4, kind="prob")), {}),
     "ctc_loss": lambda m: (
-        (m(6, 2, 5).log_softmax(-1), torch.tensor([[1, 2], [3, 1]]), torch.tensor([6, 5]), torch.tensor([2, 2])),
+        (
+            m(6, 2, 5).log_softmax(-1),
+            torch.tensor([[1, 2], [3, 1]]),
+            torch.tensor([6, 5]),
+            torch.tensor([2, 2]),
+        ),
         {},
     ),
     "stft": lambda m: ((m(64), 16), dict(window=torch.hann_window(16), return_complex=True)),
@@ -172,7 +210,10 @@ SAMPLES = {
     "max_pool3d": lambda m: ((m(1, 1, 4, 4, 4), 2), {}),
     "fake_quantize_per_tensor_affine": lambda m: ((m(3, 4), 0.1, 0, 0, 255), {}),
     "interpolate": lambda m: ((m(1, 1, 4, 4),), dict(scale_factor=2)),
-    "grid_sample": lambda m: ((m(1, 1, 4, 4), m(1, 3, 3, 2, kind="unit")), dict(align_corners=False)),
+    "grid_sample": lambda m: (
+        (m(1, 1, 4, 4), m(1, 3, 3, 2, kind="unit")),
+        dict(align_corners=False),
+    ),
     "softplus": lambda m: ((m(3, 4),), {}),
     "softmin": lambda m: ((m(3, 4), -1), {}),
     "gelu": lambda m: ((m(3, 4),), {}),
@@ -181,7 +222,10 @@ SAMPLES = {
     "cross_entropy": lambda m: ((m(3, 5), torch.tensor([0, 4, 2])), {}),
     "l1_loss": lambda m: ((m(3, 4), m(3, 4)), {}),
     "mse_loss": lambda m: ((m(3, 4), m(3, 4)), {}),
-    "multilabel_margin_loss": lambda m: ((m(2, 4), torch.tensor([[3, 0, -1, 1], [0, 1, 2, -1]])), {}),
+    "multilabel_margin_loss": lambda m: (
+        (m(2, 4), torch.tensor([[3, 0, -1, 1], [0, 1, 2, -1]])),
+        {},
+    ),
     "multilabel_soft_margin_loss": lambda m: ((m(2, 4), m(2, 4, kind="prob").round()), {}),
     "multi_margin_loss": lambda m: ((m(2, 4), torch.tensor([1, 3])), {}),
     "nll_loss": lambda m: ((m(3, 5).log_softmax(-1), torch.tensor([0, 4, 2])), {}),
@@ -193,8 +237,14 @@ SAMPLES = {
     "max_unpool3d": lambda m: _unpool(m, 3),
     "adaptive_avg_pool3d": lambda m: ((m(1, 1, 4, 4, 4), 2), {}),
     "adaptive_max_pool3d": lambda m: ((m(1, 1, 4, 4, 4), 2), {}),
-    "fractional_max_pool2d": lambda m: ((m(1, 1, 6, 6), 2), dict(output_size=3, _random_samples=torch.rand(1, 1, 2))),
-    "fractional_max_pool3d": lambda m: ((m(1, 1, 6, 6, 6), 2), dict(output_size=3, _random_samples=torch.rand(1, 1, 3))),
+    "fractional_max_pool2d": lambda m: (
+        (m(1, 1, 6, 6), 2),
+        dict(output_size=3, _random_samples=torch.rand(1, 1, 2)),
+    ),
+    "fractional_max_pool3d": lambda m: (
+        (m(1, 1, 6, 6, 6), 2),
+        dict(output_size=3, _random_samples=torch.rand(1, 1, 3)),
+    ),
     "cpu": lambda m: ((m(3, 4),), {}),
     "vector_norm": lambda m: ((m(3, 4),), {}),
     "matrix_norm": lambda m: ((m(3, 3),), {}),
@@ -204,7 +254,10 @@ SAMPLES = {
     "svdvals": lambda m: ((m(3, 3),), {}),
     "eigvals": lambda m: ((m(3, 3),), {}),
     "eigvalsh": lambda m: ((_spd(m),), {}),
-    "tensorinv": lambda m: ((m(tensor=torch.randn(4, 2, 2) + torch.eye(4).reshape(4, 2, 2) * 3),), dict(ind=1)),
+    "tensorinv": lambda m: (
+        (m(tensor=torch.randn(4, 2, 2) + torch.eye(4).reshape(4, 2, 2) * 3),),
+        dict(ind=1),
+    ),
     "tensorsolve": lambda m: ((m(tensor=torch.eye(6).reshape(2, 3, 6) * 2), m(2, 3)), {}),
     "eig": lambda m: ((m(3, 3),), {}),
     "eigh": lambda m: ((_spd(m),), {}),
@@ -235,14 +288,42 @@ SAMPLES = {
     "grid_sampler": lambda m: ((m(1, 1, 4, 4), m(1, 3, 3, 2, kind="unit"), 0, 0, False), {}),
     "index_put": lambda m: ((m(5), (torch.tensor([0, 3]),), m(2)), {}),
     "index_copy": lambda m: ((m(5, 3), 0, torch.tensor([1, 4]), m(2, 3)), {}),
-    "scatter_add": lambda m: ((m(3, 4), 0, torch.tensor([[0, 1, 2, 0], [2, 1, 0, 1]]), m(2, 4)), {}),
+    "scatter_add": lambda m: (
+        (m(3, 4), 0, torch.tensor([[0, 1, 2, 0], [2, 1, 0, 1]]), m(2, 4)),
+        {},
+    ),
     "tensordot": lambda m: ((m(3, 4), m(4, 5)), dict(dims=1)),
-    **{name: (lambda m: ((m(3, 4), m(3, 4)), {})) for name in (
-        "add", "div", "mul", "eq", "equal", "ge", "gt", "le", "lt", "ne",
-        "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__div__",
-        "__rdiv__", "__truediv__", "__rtruediv__", "__eq__", "__ne__", "__ge__", "__gt__",
-        "__le__", "__lt__",
-    )},
+    **{
+        name: (lambda m: ((m(3, 4), m(3, 4)), {}))
+        for name in (
+            "add",
+            "div",
+            "mul",
+            "eq",
+            "equal",
+            "ge",
+            "gt",
+            "le",
+            "lt",
+            "ne",
+            "__add__",
+            "__radd__",
+            "__sub__",
+            "__rsub__",
+            "__mul__",
+            "__rmul__",
+            "__div__",
+            "__rdiv__",
+            "__truediv__",
+            "__rtruediv__",
+            "__eq__",
+            "__ne__",
+            "__ge__",
+            "__gt__",
+            "__le__",
+            "__lt__",
+        )
+    },
     "cat": lambda m: (([m(2, 3), m(2, 3), m(1, 3)],), {}),
     "stack": lambda m: (([m(2, 3), m(2, 3)],), {}),
     # -- banned --------------------------------------------------------------------------------------
@@ -251,13 +332,25 @@ SAMPLES = {
 
 # Where one namespace's signature differs from the others'.
 NAMESPACE_SAMPLES = {
-    ("torch", "poisson_nll_loss"): lambda m: ((m(3, 4), m(3, 4, kind="positive"), True, False, 1e-8, 1), {}),
-    ("torch", "cosine_embedding_loss"): lambda m: ((m(3, 4), m(3, 4), m(3, kind="sign"), 0.0, 1), {}),
+    ("torch", "poisson_nll_loss"): lambda m: (
+        (m(3, 4), m(3, 4, kind="positive"), True, False, 1e-8, 1),
+        {},
+    ),
+    ("torch", "cosine_embedding_loss"): lambda m: (
+        (m(3, 4), m(3, 4), m(3, kind="sign"), 0.0, 1),
+        {},
+    ),
     ("torch", "hinge_embedding_loss"): lambda m: ((m(3, 4), m(3, 4, kind="sign"), 1.0, 1), {}),
     ("torch", "margin_ranking_loss"): lambda m: ((m(3), m(3), m(3, kind="sign"), 0.0, 1), {}),
-    ("torch", "triplet_margin_loss"): lambda m: ((m(3, 4), m(3, 4), m(3, 4), 1.0, 2.0, 1e-6, False, 1), {}),
+    ("torch", "triplet_margin_loss"): lambda m: (
+        (m(3, 4), m(3, 4), m(3, 4), 1.0, 2.0, 1e-6, False, 1),
+        {},
+    ),
     ("torch", "kl_div"): lambda m: ((m(3, 4).log_softmax(-1), m(3, 4).softmax(-1)), {}),
-    ("torch.nn.functional", "kl_div"): lambda m: ((m(3, 4).log_softmax(-1), m(3, 4).softmax(-1)), dict(reduction="batchmean")),
+    ("torch.nn.functional", "kl_div"): lambda m: (
+        (m(3, 4).log_softmax(-1), m(3, 4).softmax(-1)),
+        dict(reduction="batchmean"),
+    ),
     ("torch", "group_norm"): lambda m: ((m(2, 4, 3), 2), {}),
     ("torch", "max_pool3d"): lambda m: ((m(1, 1, 4, 4, 4), [2, 2, 2]), {}),
     ("torch.linalg", "norm"): lambda m: ((m(3, 4),), {}),
@@ -281,10 +374,35 @@ CUDA_ONLY = {
 # LAPACK-backed ops: torch's own results can differ in the last bit from call to call (MKL picks
 # paths by memory alignment; seen with linalg.lstsq), so these compare with a tight tolerance.
 LAPACK = {
-    "lstsq", "pinverse", "svd", "svdvals", "qr", "eig", "eigvals", "eigh", "eigvalsh",
-    "cholesky", "cholesky_ex", "cholesky_inverse", "cholesky_solve", "inverse", "inv", "inv_ex",
-    "solve", "cond", "matrix_rank", "lu_solve", "triangular_solve", "geqrf", "orgqr", "ormqr",
-    "householder_product", "tensorinv", "tensorsolve", "nuclear_norm", "matrix_norm",
+    "lstsq",
+    "pinverse",
+    "svd",
+    "svdvals",
+    "qr",
+    "eig",
+    "eigvals",
+    "eigh",
+    "eigvalsh",
+    "cholesky",
+    "cholesky_ex",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "inverse",
+    "inv",
+    "inv_ex",
+    "solve",
+    "cond",
+    "matrix_rank",
+    "lu_solve",
+    "triangular_solve",
+    "geqrf",
+    "orgqr",
+    "ormqr",
+    "householder_product",
+    "tensorinv",
+    "tensorsolve",
+    "nuclear_norm",
+    "matrix_norm",
 }
 
 

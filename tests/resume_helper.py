@@ -1,6 +1,6 @@
 """Training that stops, saves, and resumes in another process (used by test_handle.py).
 
-    python resume_helper.py OPT_LEVEL CHECKPOINT RESULT   # resume from CHECKPOINT, write RESULT
+python resume_helper.py OPT_LEVEL CHECKPOINT RESULT   # resume from CHECKPOINT, write RESULT
 """
 
 import sys
@@ -52,7 +52,9 @@ def train(opt_level, steps, save_to=None, load_from=None):
             "model": {k: v.clone() for k, v in model.state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "amp": dict(amp.state_dict()),
-            "masters": {str(i): m.detach().clone() for i, m in enumerate(amp.master_params(optimizer))},
+            "masters": {
+                str(i): m.detach().clone() for i, m in enumerate(amp.master_params(optimizer))
+            },
         }
         if save_to is not None:
             torch.save(state, save_to)

@@ -10,9 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 def test_run_all_quick_prints_the_summary():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = result.stdout[result.stdout.index("summary on"):]
+    summary = result.stdout[result.stdout.index("summary on") :]
     for row in ("O1 transformer step", "loss scaling + step", "per-call overhead", "kernels"):
         assert row in summary

@@ -22,8 +22,9 @@ SCRIPTS = ["demo.py", "transformer_lm.py", "gan.py", "gradients.py", "checkpoint
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_example_has_help(script):
-    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--help"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, script), "--help"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "--device" in result.stdout
 
@@ -31,7 +32,11 @@ def test_every_example_has_help(script):
 def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     results = demo.main(["--epochs", "1", "--dtypes", "bfloat16", "--out", str(tmp_path)])
     assert [(r["level"], r["dtype"]) for r in results] == [
-        ("O0", "float32"), ("O1", "bfloat16"), ("O2", "bfloat16"), ("O3", "bfloat16")]
+        ("O0", "float32"),
+        ("O1", "bfloat16"),
+        ("O2", "bfloat16"),
+        ("O3", "bfloat16"),
+    ]
     printed = capsys.readouterr().out
     assert "accuracy" in printed and "skipped" in printed
     assert (tmp_path / "demo.png").stat().st_size > 10_000
@@ -48,15 +53,19 @@ def test_mixed_precision_reaches_fp32_accuracy():
 
 
 def test_transformer_lm_learns():
-    result = transformer_lm.train(steps=30, batch=8, length=32, width=64, layers=1, log_every=0,
-                                  show_progress=False)
+    result = transformer_lm.train(
+        steps=30, batch=8, length=32, width=64, layers=1, log_every=0, show_progress=False
+    )
     assert result["held-out loss"] < 3.5  # below ln(96): better than uniform over the characters
 
 
 def test_gan_runs_with_three_loss_scalers():
     result = gan.train(steps=20, show_progress=False)
     assert len(result["loss scales"]) == 3
-    assert all(torch.isfinite(torch.tensor(v)) for v in (result["discriminator loss"], result["generator loss"]))
+    assert all(
+        torch.isfinite(torch.tensor(v))
+        for v in (result["discriminator loss"], result["generator loss"])
+    )
 
 
 @pytest.mark.parametrize("technique", sorted(gradients.TECHNIQUES))
@@ -78,11 +87,29 @@ def _free_port():
 def test_ddp_ranks_stay_identical_when_one_rank_overflows(tmp_path, opt_level):
     """Two real processes (gloo): an overflow on rank 1 only is skipped by both ranks."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master_port={_free_port()}", os.path.join(EXAMPLES, "ddp.py"), "--device", "cpu",
-         "--opt-level", opt_level, "--steps", "8", "--inject-overflow-rank", "1",
-         "--inject-overflow-step", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={_free_port()}",
+            os.path.join(EXAMPLES, "ddp.py"),
+            "--device",
+            "cpu",
+            "--opt-level",
+            opt_level,
+            "--steps",
+            "8",
+            "--inject-overflow-rank",
+            "1",
+            "--inject-overflow-step",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]

@@ -126,8 +126,16 @@ def _initialize_error(model, optimizer, error, match, **kwargs):
     "kwargs,error,match",
     [
         (dict(opt_level="o2"), RuntimeError, "letter O"),
-        (dict(opt_level="O1", keep_batchnorm_fp32=True), RuntimeError, "keep_batchnorm_fp32 should be None"),
-        (dict(opt_level="O2", patch_torch_functions=True), RuntimeError, "patch_torch_functions=True"),
+        (
+            dict(opt_level="O1", keep_batchnorm_fp32=True),
+            RuntimeError,
+            "keep_batchnorm_fp32 should be None",
+        ),
+        (
+            dict(opt_level="O2", patch_torch_functions=True),
+            RuntimeError,
+            "patch_torch_functions=True",
+        ),
         (dict(opt_level="O2", loss_scale="huge"), ValueError, "loss_scale"),
         (dict(opt_level="O2", dtype=torch.float32), ValueError, "float16 or torch.bfloat16"),
         (dict(num_losses=0), ValueError, "num_losses"),
@@ -153,7 +161,9 @@ def test_parallel_wrapped_model_is_refused(wrapper):
 def test_low_precision_model_is_refused():
     model, optimizer = make_pair()
     model[0].half()
-    _initialize_error(model, optimizer, RuntimeError, r"do not need to call \.half\(\)", opt_level="O2")
+    _initialize_error(
+        model, optimizer, RuntimeError, r"do not need to call \.half\(\)", opt_level="O2"
+    )
 
 
 def test_wrong_types_are_refused():
@@ -250,7 +260,7 @@ def test_after_deinitialize_training_is_plain_pytorch(opt_level):
     optimizer.zero_grad()
     amp.deinitialize()
     assert all(p.dtype is torch.float32 for p in model.parameters())
-    assert type(optimizer).step is getattr(optimizer, "step").__func__
+    assert type(optimizer).step is optimizer.step.__func__
     reference_model.load_state_dict(copy.deepcopy(model.state_dict()))
     # A deep copy: load_state_dict shares state tensors that need no conversion.
     reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
@@ -311,8 +321,10 @@ def test_state_dict_format_and_weights_only_load(tmp_path):
 def test_load_state_dict_round_trip_and_apex_dicts():
     model, optimizer = make_pair()
     amp.initialize(model, optimizer, num_losses=2, verbosity=0)
-    apex_saved = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17},
-                  "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3}}
+    apex_saved = {
+        "loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17},
+        "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3},
+    }
     amp.load_state_dict(apex_saved)
     assert amp.state_dict() == apex_saved
     amp.deinitialize()
@@ -321,9 +333,17 @@ def test_load_state_dict_round_trip_and_apex_dicts():
 @pytest.mark.parametrize(
     "bad,error,match",
     [
-        ({"scaler": {"loss_scale": 1.0, "unskipped": 0}}, RuntimeError, 'Unexpected key\\(s\\) in state_dict: "scaler"'),
+        (
+            {"scaler": {"loss_scale": 1.0, "unskipped": 0}},
+            RuntimeError,
+            'Unexpected key\\(s\\) in state_dict: "scaler"',
+        ),
         ({"loss_scaler0": {"loss_scale": -1.0, "unskipped": 0}}, ValueError, "finite positive"),
-        ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}}, ValueError, "finite positive"),
+        (
+            {"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}},
+            ValueError,
+            "finite positive",
+        ),
         ({"loss_scaler0": {"loss_scale": 2.0}}, ValueError, "lacks"),
         ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": -3}}, ValueError, "non-negative"),
         ({"loss_scaler0": 4.0}, TypeError, "must be a dict"),
@@ -345,8 +365,12 @@ def test_state_dict_with_more_entries_warns_and_skips():
     model, optimizer = make_pair()
     amp.initialize(model, optimizer, num_losses=1, verbosity=0)
     with pytest.warns(UserWarning) as warned:
-        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
-                             "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0}})
+        amp.load_state_dict(
+            {
+                "loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0},
+            }
+        )
     assert [str(w.message) for w in warned] == [
         "state_dict contains 2 entries, while 1 loss_scalers are used",
         "Skipping loss_scaler[1], since num_losses was set to 1",
@@ -395,6 +419,9 @@ def _captured(verbosity):
 
 def test_progress_messages_go_through_logging_and_verbosity_zero_silences():
     text = _captured(1)
-    assert "Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights." in text
+    assert (
+        "Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights."
+        in text
+    )
     assert f"{'master_weights':22} : True" in text
     assert _captured(0) == ""

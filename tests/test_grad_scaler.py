@@ -25,7 +25,9 @@ def inject_at_skip(scaler, model, step, skip_iter):
         model[1].weight.grad.fill_(float("inf"))
 
 
-def scenario_plain(scaler, device, optimizer_ctor=torch.optim.SGD, kwargs=None, dtype=torch.float32):
+def scenario_plain(
+    scaler, device, optimizer_ctor=torch.optim.SGD, kwargs=None, dtype=torch.float32
+):
     torch.manual_seed(0)
     _, model, _, optimizer, data, loss_fn, skip_iter = _create_scaling_case(
         device=device, optimizer_ctor=optimizer_ctor, optimizer_kwargs=kwargs
@@ -52,7 +54,9 @@ def scenario_clipping(scaler, device):
         scaler.scale(loss_fn(model(x), y)).backward()
         inject_at_skip(scaler, model, step, skip_iter)
         scaler.unscale_(optimizer)
-        trace.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2, error_if_nonfinite=False))
+        trace.append(
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2, error_if_nonfinite=False)
+        )
         scaler.step(optimizer)
         scaler.update()
         trace.append(scaler.get_scale())
@@ -78,7 +82,7 @@ def scenario_accumulation(scaler, device):
     torch.manual_seed(0)
     _, model, _, optimizer, data, loss_fn, _ = _create_scaling_case(device=device)
     trace = []
-    for step in range(2):
+    for _ in range(2):
         optimizer.zero_grad()
         for x, y in data:
             scaler.scale(loss_fn(model(x), y) / len(data)).backward()
@@ -165,7 +169,9 @@ SCENARIOS = {
     "plain": scenario_plain,
     "plain-adam": lambda s, d: scenario_plain(s, d, torch.optim.Adam),
     "fused-adam": lambda s, d: scenario_plain(s, d, torch.optim.Adam, {"fused": True}),
-    "fused-sgd": lambda s, d: scenario_plain(s, d, torch.optim.SGD, {"fused": True, "momentum": 0.9}),
+    "fused-sgd": lambda s, d: scenario_plain(
+        s, d, torch.optim.SGD, {"fused": True, "momentum": 0.9}
+    ),
     "bfloat16-gradients": lambda s, d: scenario_plain(s, d, dtype=torch.bfloat16),
     "clipping": scenario_clipping,
     "clipping-scaled": scenario_clipping_scaled,
@@ -205,7 +211,9 @@ def test_same_trajectory_and_parameters_as_torch(name, device, enabled):
     trace_ours, model_ours, optimizer_ours = ours
     _assert_identical(trace_ours, trace_theirs)
     _assert_identical(list(model_ours.parameters()), list(model_theirs.parameters()))
-    _assert_identical([p.grad for p in model_ours.parameters()], [p.grad for p in model_theirs.parameters()])
+    _assert_identical(
+        [p.grad for p in model_ours.parameters()], [p.grad for p in model_theirs.parameters()]
+    )
     optimizers = optimizer_ours if isinstance(optimizer_ours, list) else [optimizer_ours]
     theirs_list = optimizer_theirs if isinstance(optimizer_theirs, list) else [optimizer_theirs]
     for o, t in zip(optimizers, theirs_list):
@@ -315,8 +323,13 @@ def test_state_dict_round_trip_with_torch_and_pickle():
     ours._growth_tracker.fill_(7)
     back = amp.GradScaler()
     back.load_state_dict(theirs.state_dict())
-    assert back.state_dict() == {"scale": 3.0, "growth_factor": 4.0, "backoff_factor": 0.5,
-                                 "growth_interval": 2, "_growth_tracker": 0}
+    assert back.state_dict() == {
+        "scale": 3.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2,
+        "_growth_tracker": 0,
+    }
     with pytest.raises(RuntimeError, match="The source state dict is empty"):
         back.load_state_dict({})
     assert amp.GradScaler(enabled=False).state_dict() == {}
@@ -327,7 +340,9 @@ def test_state_dict_round_trip_with_torch_and_pickle():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ours.scale(model(torch.ones(2)).sum()).backward()
     ours.unscale_(optimizer)
-    with pytest.raises(AssertionError, match="may only be pickled at the beginning of an iteration"):
+    with pytest.raises(
+        AssertionError, match="may only be pickled at the beginning of an iteration"
+    ):
         pickle.dumps(ours)
 
 

@@ -78,7 +78,9 @@ def test_accumulated_gradients_are_exact(delay_first):
             if outside_gradients:  # kept apart during the scaled backward, then added exactly
                 loss_of(model, step, seed=7).backward()
                 loss_of(reference, step, seed=7).backward()
-            with amp.scale_loss(loss_of(model, step), optimizer, delay_unscale=delay_first) as scaled:
+            with amp.scale_loss(
+                loss_of(model, step), optimizer, delay_unscale=delay_first
+            ) as scaled:
                 scaled.backward()
             with amp.scale_loss(loss_of(model, step, seed=200), optimizer) as scaled:
                 scaled.backward()
@@ -224,8 +226,9 @@ def test_overflow_skips_only_the_optimizers_of_that_loss(num_losses):
     r0, r1 = make_model(0), make_model(1)
     ro0 = torch.optim.SGD(r0.parameters(), lr=0.1, momentum=0.5)
     ro1 = torch.optim.SGD(r1.parameters(), lr=0.2, momentum=0.25)
-    amp.initialize([m0, m1], [o0, o1], opt_level="O0", loss_scale="dynamic",
-                   num_losses=num_losses, verbosity=0)
+    amp.initialize(
+        [m0, m1], [o0, o1], opt_level="O0", loss_scale="dynamic", num_losses=num_losses, verbosity=0
+    )
     try:
         loss_ids = (0, num_losses - 1)
         overflow_in = {1: 0, 3: 1}  # step -> which loss overflows
@@ -253,8 +256,10 @@ def test_overflow_skips_only_the_optimizers_of_that_loss(num_losses):
                 ro1.step()
             ro0.zero_grad()
             ro1.zero_grad()
-        for p, q in zip(list(m0.parameters()) + list(m1.parameters()),
-                        list(r0.parameters()) + list(r1.parameters())):
+        for p, q in zip(
+            list(m0.parameters()) + list(m1.parameters()),
+            list(r0.parameters()) + list(r1.parameters()),
+        ):
             assert torch.equal(p, q)
         scales = [entry["loss_scale"] for entry in amp.state_dict().values()]
         assert scales == ([65536.0 / 4] if num_losses == 1 else [65536.0 / 2, 65536.0 / 2])
@@ -390,7 +395,9 @@ def test_lr_scheduler_sees_no_overridden_step(recwarn, scheduler_first):
         assert optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3
     finally:
         amp.deinitialize()
-    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+    assert not [
+        w for w in recwarn if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)
+    ]
     assert "step" not in vars(optimizer) or getattr(optimizer.step, "_wrapped_by_lr_sched", False)
 
 
@@ -472,7 +479,13 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, opt_level):
     train(opt_level, steps=range(0, 4), save_to=checkpoint)
     result = tmp_path / "result.pt"
     completed = subprocess.run(
-        [sys.executable, os.path.join(HERE, "resume_helper.py"), opt_level, str(checkpoint), str(result)],
+        [
+            sys.executable,
+            os.path.join(HERE, "resume_helper.py"),
+            opt_level,
+            str(checkpoint),
+            str(result),
+        ],
         capture_output=True,
         text=True,
         cwd=HERE,

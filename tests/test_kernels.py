@@ -102,7 +102,9 @@ def test_unscale_flags_nonfinite_anywhere(backend, position, value):
 def test_unscale_never_clears_the_flag(backend):
     module, device = backend
     found = torch.ones((), device=device)
-    module.unscale_(random_tensors([10], [torch.float32], device), torch.full((), 1.0, device=device), found)
+    module.unscale_(
+        random_tensors([10], [torch.float32], device), torch.full((), 1.0, device=device), found
+    )
     assert found.item() == 1.0
 
 
@@ -167,11 +169,15 @@ def test_unscale_to_is_copy_then_unscale(backend, source_dtype, destination_dtyp
     module, device = backend
     sources = random_tensors(SIZES, [source_dtype], device, seed=5)
     sources[4][17] = float("inf")
-    destinations = [torch.full(s.shape, -7.0, dtype=destination_dtype, device=device) for s in sources]
+    destinations = [
+        torch.full(s.shape, -7.0, dtype=destination_dtype, device=device) for s in sources
+    ]
     inv_scale = torch.full((), 2.0**-10, device=device)
     found = torch.zeros((), device=device)
     module.unscale_to_(sources, destinations, inv_scale, found)
-    expected, expected_found = reference_unscale([s.to(destination_dtype) for s in sources], inv_scale, device)
+    expected, expected_found = reference_unscale(
+        [s.to(destination_dtype) for s in sources], inv_scale, device
+    )
     for actual, wanted in zip(destinations, expected):
         assert_bitwise(actual, wanted)
     assert found.item() == expected_found.item() == 1.0
@@ -210,7 +216,9 @@ def test_l2_norm_matches_torch(backend):
         expected = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in tensors]))
         actual = module.l2_norm(tensors)
         assert actual.dtype is torch.float32 and actual.device.type == device
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=0)  # float32 sums in another order
+        torch.testing.assert_close(
+            actual, expected, rtol=1e-4, atol=0
+        )  # float32 sums in another order
 
 
 # -- the dispatching interface --------------------------------------------------------------------
@@ -265,7 +273,12 @@ def test_meta_fits_the_parameter_budget(budget, depth):
 
 def test_plan_covers_every_element_exactly_once():
     rng = np.random.default_rng(0)
-    numels = list(rng.integers(0, 3 * _layout.CHUNK, size=40)) + [0, 1, _layout.CHUNK, _layout.CHUNK + 1]
+    numels = list(rng.integers(0, 3 * _layout.CHUNK, size=40)) + [
+        0,
+        1,
+        _layout.CHUNK,
+        _layout.CHUNK + 1,
+    ]
     launches = _layout.plan([range(1000, 1000 + len(numels))], numels, capacity=7)
     seen = {}
     kept = [n for n in numels if n > 0]
@@ -302,8 +315,14 @@ def _nvcc_architectures():
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return []
-    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
-    return [arch.replace("compute_", "sm_") for arch in listed if arch in ("compute_75", "compute_80", "compute_90")]
+    listed = subprocess.run(
+        [nvcc, "--list-gpu-arch"], capture_output=True, text=True
+    ).stdout.split()
+    return [
+        arch.replace("compute_", "sm_")
+        for arch in listed
+        if arch in ("compute_75", "compute_80", "compute_90")
+    ]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -313,8 +332,16 @@ def test_source_compiles_with_nvcc(tmp_path, budget):
     assert architectures, "nvcc knows none of sm_75, sm_80, sm_90"
     for arch in architectures:
         result = subprocess.run(
-            ["nvcc", "-std=c++17", f"-arch={arch}", "-c", str(SOURCE), "-o", str(tmp_path / f"{arch}.o"),
-             *_layout.compile_options(budget)],
+            [
+                "nvcc",
+                "-std=c++17",
+                f"-arch={arch}",
+                "-c",
+                str(SOURCE),
+                "-o",
+                str(tmp_path / f"{arch}.o"),
+                *_layout.compile_options(budget),
+            ],
             capture_output=True,
             text=True,
         )
@@ -327,8 +354,17 @@ def test_ptx_has_no_flushing_multiply_even_with_ftz(tmp_path):
     ptx = tmp_path / "kernels.ptx"
     arch = _nvcc_architectures()[-1].replace("sm_", "compute_")
     result = subprocess.run(
-        ["nvcc", "-std=c++17", f"-arch={arch}", "-ptx", "-ftz=true", str(SOURCE), "-o", str(ptx),
-         *_layout.compile_options(_layout.PARAM_BYTES_LARGE)],
+        [
+            "nvcc",
+            "-std=c++17",
+            f"-arch={arch}",
+            "-ptx",
+            "-ftz=true",
+            str(SOURCE),
+            "-o",
+            str(ptx),
+            *_layout.compile_options(_layout.PARAM_BYTES_LARGE),
+        ],
         capture_output=True,
         text=True,
     )

@@ -24,7 +24,11 @@ def test_every_entry_resolves_or_is_known_to_be_newer():
     unexplained = [key for key in missing if key not in lists.NEWER_THAN_TORCH_2_1]
     assert unexplained == [], f"table names this torch lacks: {unexplained}"
     # Today's torch has everything; this names what an older one would skip, visibly.
-    assert missing == [] if torch.__version__ >= "2.4" else set(missing) <= set(lists.NEWER_THAN_TORCH_2_1)
+    assert (
+        missing == []
+        if torch.__version__ >= "2.4"
+        else set(missing) <= set(lists.NEWER_THAN_TORCH_2_1)
+    )
 
 
 def test_tables_are_data_with_no_duplicates():
@@ -66,7 +70,11 @@ def test_every_op_torch_registers_for_autocast_is_covered():
 
 
 def test_entries_promoted_by_torch_are_not_patched():
-    native = [(lists.resolve_namespace(e.namespace), e.name) for e in ENTRIES if e.kind == lists.PROMOTED_BY_TORCH]
+    native = [
+        (lists.resolve_namespace(e.namespace), e.name)
+        for e in ENTRIES
+        if e.kind == lists.PROMOTED_BY_TORCH
+    ]
     assert len(native) == 34
     before = [vars(namespace).get(name) for namespace, name in native]
     with amp.autocast():
@@ -77,7 +85,9 @@ def test_entries_promoted_by_torch_are_not_patched():
 
 def test_every_entry_has_a_sample():
     for entry in ENTRIES:
-        assert (entry.namespace, entry.name) in NAMESPACE_SAMPLES or entry.name in SAMPLES, _id(entry)
+        assert (entry.namespace, entry.name) in NAMESPACE_SAMPLES or entry.name in SAMPLES, _id(
+            entry
+        )
 
 
 def _maker(dtype_at):
@@ -151,7 +161,9 @@ def test_entry_runs_in_its_table_dtype(entry, dtype):
         warnings.simplefilter("ignore")  # deprecation notes of torch.cholesky and friends
         if entry.kind == wrappers.BANNED:
             with amp.autocast(dtype=dtype):
-                with pytest.raises(NotImplementedError, match="binary_cross_entropy_with_logits|BCEWithLogitsLoss"):
+                with pytest.raises(
+                    NotImplementedError, match="binary_cross_entropy_with_logits|BCEWithLogitsLoss"
+                ):
                     _call(entry, args, kwargs)
             return
         try:

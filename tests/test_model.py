@@ -58,13 +58,24 @@ def test_cast_tree_preserves_container_types():
     assert type(cast) is dict
     assert type(cast["tuple"]) is tuple and cast["tuple"][0].dtype is torch.float16
     assert cast["tuple"][1] is i  # integers untouched
-    assert type(cast["list"]) is list and cast["list"][1][0].dtype is torch.float16 and cast["list"][1][1] == "text"
+    assert (
+        type(cast["list"]) is list
+        and cast["list"][1][0].dtype is torch.float16
+        and cast["list"][1][1] == "text"
+    )
     assert type(cast["named"]) is Pair and cast["named"].first.dtype is torch.float16
-    assert type(cast["ordered"]) is collections.OrderedDict and cast["ordered"]["a"].dtype is torch.float16
-    assert type(cast["default"]) is collections.defaultdict and cast["default"].default_factory is list
+    assert (
+        type(cast["ordered"]) is collections.OrderedDict
+        and cast["ordered"]["a"].dtype is torch.float16
+    )
+    assert (
+        type(cast["default"]) is collections.defaultdict and cast["default"].default_factory is list
+    )
     assert type(cast["batch"]) is Batch and cast["batch"].image.dtype is torch.float16
     assert cast["batch"].label is i and cast["batch"].note == "x"
-    assert cast["frozen"].image.dtype is torch.float16 and tree["frozen"].image.dtype is torch.float32
+    assert (
+        cast["frozen"].image.dtype is torch.float16 and tree["frozen"].image.dtype is torch.float32
+    )
     assert cast["movable"].tensor.dtype is torch.float16
     assert cast["double"] is d  # float64 is asked for deliberately
     assert cast["module"] is tree["module"] and tree["module"].weight.dtype is torch.float32
@@ -87,7 +98,9 @@ class Recorder(torch.nn.Module):
         self.seen = []
 
     def forward(self, x, extra=None, *, batch=None):
-        self.seen.append((x.dtype, extra[0].dtype if extra else None, batch.image.dtype if batch else None))
+        self.seen.append(
+            (x.dtype, extra[0].dtype if extra else None, batch.image.dtype if batch else None)
+        )
         y = self.linear(x)
         return {"out": y, "pair": Pair(y, torch.arange(2)), "list": [y.sum()]}
 
@@ -95,9 +108,13 @@ class Recorder(torch.nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_o2_casts_inputs_and_outputs_through_nests(dtype):
     model = Recorder()
-    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", dtype=dtype, verbosity=0)
+    amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", dtype=dtype, verbosity=0
+    )
     try:
-        out = model(torch.randn(2, 3), [torch.randn(2)], batch=Batch(torch.randn(2), torch.arange(2)))
+        out = model(
+            torch.randn(2, 3), [torch.randn(2)], batch=Batch(torch.randn(2), torch.arange(2))
+        )
         assert model.seen == [(dtype, dtype, dtype)]
         assert out["out"].dtype is torch.float32 and type(out["pair"]) is Pair
         assert out["pair"].second.dtype is torch.int64 and out["list"][0].dtype is torch.float32
@@ -107,8 +124,13 @@ def test_o2_casts_inputs_and_outputs_through_nests(dtype):
 
 def test_cast_model_outputs_and_o0_input_casting():
     model = Recorder()
-    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
-                   cast_model_outputs=torch.float16, verbosity=0)
+    amp.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level="O2",
+        cast_model_outputs=torch.float16,
+        verbosity=0,
+    )
     try:
         assert model(torch.randn(2, 3))["out"].dtype is torch.float16
     finally:
@@ -124,8 +146,13 @@ def test_cast_model_outputs_and_o0_input_casting():
 
 def test_o1_with_cast_model_outputs_casts_outputs_only():
     model = Recorder()
-    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
-                   cast_model_outputs=torch.float16, verbosity=0)
+    amp.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level="O1",
+        cast_model_outputs=torch.float16,
+        verbosity=0,
+    )
     try:
         out = model(torch.randn(2, 3))
         assert model.seen == [(torch.float32, None, None)] and out["out"].dtype is torch.float16
@@ -137,7 +164,9 @@ def test_user_hooks_see_their_own_inputs_and_cast_outputs():
     model = Recorder()
     seen = []
     model.register_forward_pre_hook(lambda module, args: seen.append(("pre", args[0].dtype)))
-    model.register_forward_hook(lambda module, args, output: seen.append(("post", output["out"].dtype)))
+    model.register_forward_hook(
+        lambda module, args, output: seen.append(("post", output["out"].dtype))
+    )
     amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
     try:
         model(torch.randn(2, 3))
@@ -164,18 +193,32 @@ def test_data_parallel_replicas_cast_too():
 def _convnet():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2),
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 2),
     )
 
 
-@pytest.mark.parametrize("opt_level,keep_bn,bn_dtype", [
-    ("O2", None, torch.float32), ("O2", False, torch.float16), ("O3", None, torch.float16), ("O3", True, torch.float32),
-])
+@pytest.mark.parametrize(
+    "opt_level,keep_bn,bn_dtype",
+    [
+        ("O2", None, torch.float32),
+        ("O2", False, torch.float16),
+        ("O3", None, torch.float16),
+        ("O3", True, torch.float32),
+    ],
+)
 def test_batch_norm_precision(opt_level, keep_bn, bn_dtype):
     model = _convnet()
-    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
-                   keep_batchnorm_fp32=keep_bn, verbosity=0)
+    amp.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        opt_level=opt_level,
+        keep_batchnorm_fp32=keep_bn,
+        verbosity=0,
+    )
     try:
         assert model[0].weight.dtype is torch.float16 and model[4].weight.dtype is torch.float16
         assert model[1].weight.dtype is bn_dtype and model[1].running_mean.dtype is bn_dtype
@@ -189,7 +232,9 @@ def test_batch_norm_precision(opt_level, keep_bn, bn_dtype):
 @pytest.mark.parametrize("opt_level", ["O2", "O3"])
 def test_state_dict_is_fp32_at_every_level(opt_level):
     model = _convnet()
-    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level, verbosity=0)
+    amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level, verbosity=0
+    )
     try:
         for module in [model, model[0], model[1]]:
             for key, value in module.state_dict().items():

@@ -6,10 +6,25 @@ import sys
 import amp
 
 API = {  # ../shared/API.md
-    "initialize", "deinitialize", "scale_loss", "disable_casts", "master_params", "state_dict",
-    "load_state_dict", "half_function", "float_function", "promote_function",
-    "register_half_function", "register_float_function", "register_promote_function",
-    "autocast", "custom_fwd", "custom_bwd", "GradScaler", "trace", "last_overflow",
+    "initialize",
+    "deinitialize",
+    "scale_loss",
+    "disable_casts",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "autocast",
+    "custom_fwd",
+    "custom_bwd",
+    "GradScaler",
+    "trace",
+    "last_overflow",
 }
 
 

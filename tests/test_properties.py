@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,13 @@ APEX_TABLE = {
     "O2": (torch.float16, False, True, True, "dynamic"),
     "O3": (torch.float16, False, False, False, 1.0),
 }
-FIELDS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32", "master_weights", "loss_scale")
+FIELDS = (
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+)
 
 
 @pytest.mark.parametrize("opt_level", sorted(APEX_TABLE))
@@ -86,7 +94,9 @@ def test_o1_refuses_keep_batchnorm_fp32(value):
         properties.resolve("O1", keep_batchnorm_fp32=value)
 
 
-@pytest.mark.parametrize("value,expected", [("True", True), ("False", False), (True, True), (False, False)])
+@pytest.mark.parametrize(
+    "value,expected", [("True", True), ("False", False), (True, True), (False, False)]
+)
 def test_keep_batchnorm_fp32_string_forms(value, expected):
     _, resolved = properties.resolve("O2", keep_batchnorm_fp32=value)
     assert resolved.keep_batchnorm_fp32 is expected
@@ -94,7 +104,10 @@ def test_keep_batchnorm_fp32_string_forms(value, expected):
 
 @pytest.mark.parametrize("value", ["true", 1, 0.0, "yes"])
 def test_keep_batchnorm_fp32_rejects_other_values(value):
-    with pytest.raises(ValueError, match="keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None"):
+    with pytest.raises(
+        ValueError,
+        match="keep_batchnorm_fp32 must be a boolean, the string 'True' or 'False', or None",
+    ):
         properties.resolve("O2", keep_batchnorm_fp32=value)
 
 
@@ -111,7 +124,9 @@ def test_master_weights_override():
         properties.resolve("O2", master_weights="yes")
 
 
-@pytest.mark.parametrize("value,expected", [("dynamic", "dynamic"), ("128.0", 128.0), (128, 128.0), (0.5, 0.5)])
+@pytest.mark.parametrize(
+    "value,expected", [("dynamic", "dynamic"), ("128.0", 128.0), (128, 128.0), (0.5, 0.5)]
+)
 def test_loss_scale_forms(value, expected):
     _, resolved = properties.resolve("O1", loss_scale=value)
     assert resolved.loss_scale == expected
@@ -133,7 +148,7 @@ def test_overrides_leave_the_rest_of_the_level():
 
 def test_properties_are_frozen():
     resolved = properties.defaults("O1")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.loss_scale = 1.0
 
 

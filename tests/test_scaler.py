@@ -50,8 +50,11 @@ def test_dynamic_trajectory_is_apexs(overflows, kwargs):
     window = kwargs.pop("growth_interval")
     scaler = LossScaler("dynamic", init_scale=init, growth_interval=window, **kwargs)
     expected = apex_trajectory(
-        overflows, init=init, window=window,
-        min_scale=kwargs.get("min_loss_scale"), max_scale=kwargs.get("max_loss_scale", 2.0**24),
+        overflows,
+        init=init,
+        window=window,
+        min_scale=kwargs.get("min_loss_scale"),
+        max_scale=kwargs.get("max_loss_scale", 2.0**24),
     )
     assert run(scaler, overflows) == expected
 
@@ -100,9 +103,16 @@ def test_state_round_trip_and_validation():
     other.load_state_dict(check_state("loss_scaler0", scaler.state_dict()))
     assert other.state_dict() == scaler.state_dict() == {"loss_scale": 65536.0, "unskipped": 1}
     assert check_state("k", {"loss_scale": torch.tensor(4.0), "unskipped": torch.tensor(2)}) == {
-        "loss_scale": 4.0, "unskipped": 2}
-    for bad in ({"loss_scale": 0.0, "unskipped": 0}, {"loss_scale": 1.0, "unskipped": 1.5},
-                {"loss_scale": "1", "unskipped": 0}, {"unskipped": 0}, [1.0, 0]):
+        "loss_scale": 4.0,
+        "unskipped": 2,
+    }
+    for bad in (
+        {"loss_scale": 0.0, "unskipped": 0},
+        {"loss_scale": 1.0, "unskipped": 1.5},
+        {"loss_scale": "1", "unskipped": 0},
+        {"unskipped": 0},
+        [1.0, 0],
+    ):
         with pytest.raises((ValueError, TypeError)):
             check_state("loss_scaler0", bad)
 

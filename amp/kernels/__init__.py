@@ -81,9 +81,11 @@ def _by_device(*lists):
     ]
 
 
-def _flagged(function, lists, inv_scale, found_inf):
-    """Run `function(*lists, inv_scale, flag)` per device, collecting every flag in found_inf."""
+def _flagged(name, lists, inv_scale, found_inf):
+    """Run backend function `name`(*lists, inv_scale, flag) per device, collecting every flag in
+    found_inf."""
     for device, group in _by_device(*lists):
+        function = getattr(_backend(device), name)
         if device == found_inf.device:
             function(*group, inv_scale.to(device, non_blocking=True), found_inf)
         else:
@@ -101,8 +103,7 @@ def unscale_(tensors, inv_scale, found_inf):
     cleared. `inv_scale` is a float32 1-element tensor.
     """
     if tensors:
-        _flagged(lambda group, inv, flag: _backend(group[0].device).unscale_(group, inv, flag),
-                 (tensors,), inv_scale, found_inf)
+        _flagged("unscale_", (tensors,), inv_scale, found_inf)
 
 
 def unscale_to_(sources, destinations, inv_scale, found_inf):
@@ -112,12 +113,7 @@ def unscale_to_(sources, destinations, inv_scale, found_inf):
     """
     if sources:
         _check_parallel(sources, destinations)
-        _flagged(
-            lambda src, dst, inv, flag: _backend(src[0].device).unscale_to_(src, dst, inv, flag),
-            (sources, destinations),
-            inv_scale,
-            found_inf,
-        )
+        _flagged("unscale_to_", (sources, destinations), inv_scale, found_inf)
 
 
 def unscale_add_(sources, destinations, inv_scale, found_inf):
@@ -128,12 +124,7 @@ def unscale_add_(sources, destinations, inv_scale, found_inf):
     """
     if sources:
         _check_parallel(sources, destinations)
-        _flagged(
-            lambda src, dst, inv, flag: _backend(src[0].device).unscale_add_(src, dst, inv, flag),
-            (sources, destinations),
-            inv_scale,
-            found_inf,
-        )
+        _flagged("unscale_add_", (sources, destinations), inv_scale, found_inf)
 
 
 def copy_(sources, destinations):

@@ -226,7 +226,7 @@ def l2_norm(tensors):
         parts = [_torch_backend.l2_norm(_pick(tensors, rest))] if rest else []
         parts += [l2_norm(_pick(tensors, indices)) for indices in groups.values()]
         return torch.linalg.vector_norm(torch.stack(parts))
-    ((dtype,), indices), = groups.items()
+    (((dtype,), indices),) = groups.items()
     chosen = _pick(tensors, indices)
     total = sum((t.numel() + _layout.CHUNK - 1) // _layout.CHUNK for t in chosen)
     if total == 0:
@@ -241,6 +241,9 @@ def l2_norm(tensors):
     index = device.index
     with cupy.cuda.Device(index):
         _device(index).functions["amp_norm_finalize"](
-            (1,), (_layout.BLOCK,), (partial.data_ptr(), total, out.data_ptr()), stream=_stream(index)
+            (1,),
+            (_layout.BLOCK,),
+            (partial.data_ptr(), total, out.data_ptr()),
+            stream=_stream(index),
         )
     return out

@@ -112,7 +112,5 @@ def entries():
 def missing():
     """The entries whose names the installed torch does not have (skipped when patching)."""
     return [
-        entry
-        for entry in entries()
-        if not hasattr(resolve_namespace(entry.namespace), entry.name)
+        entry for entry in entries() if not hasattr(resolve_namespace(entry.namespace), entry.name)
     ]
