@@ -402,3 +402,108 @@ def test_emulated_backend_splits_long_lists_at_4_kb_of_parameters(monkeypatch):
     assert found.item() == 1.0
     for actual, wanted in zip(tensors, expected):
         assert_bitwise(actual, wanted)
+
+
+# -- only on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cupy_backend():
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    choice = kernels.cuda_backend()
+    assert choice.name == "cupy", f"the CuPy backend is not in use: {choice.reason}"
+    return choice.module
+
+
+@pytest.mark.cuda
+def test_cuda_no_host_synchronisation(cupy_backend):
+    tensors = random_tensors([1000, 70000], [torch.float16, torch.float32], "cuda")
+    masters = [torch.empty(t.shape, device="cuda") for t in tensors]
+    found = torch.zeros((), device="cuda")
+    inv = torch.full((), 0.5, device="cuda")
+    kernels.unscale_(tensors, inv, found)  # compile and load outside the checked region
+    kernels.unscale_to_(tensors, masters, inv, found)
+    kernels.copy_(masters, tensors)
+    kernels.l2_norm(masters)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.unscale_(tensors, inv, found)
+        kernels.unscale_to_(tensors, masters, inv, found)
+        kernels.unscale_add_(tensors, masters, inv, found)
+        kernels.copy_(masters, tensors)
+        kernels.l2_norm(masters)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_run_on_the_current_stream(cupy_backend):
+    stream = torch.cuda.Stream()
+    source = torch.randn(1 << 22, device="cuda")
+    with torch.cuda.stream(stream):
+        produced = source * 4.0  # queued on `stream`; the kernel must run after it
+        kernels.unscale_(
+            [produced], torch.full((), 0.25, device="cuda"), torch.zeros((), device="cuda")
+        )
+        result = produced.clone()
+    stream.synchronize()
+    assert_bitwise(result, source)
+
+
+@pytest.mark.cuda
+def test_cuda_forced_small_parameter_layout(cupy_backend, monkeypatch):
+    monkeypatch.setenv("AMP_KERNEL_PARAM_BYTES", str(_layout.PARAM_BYTES_SMALL))
+    monkeypatch.setattr(cupy_backend, "_devices", {})
+    tensors = random_tensors([5, 0, 70000] * 150, FLOAT_DTYPES, "cuda", seed=12)
+    tensors[-1][-1] = float("nan")
+    inv = torch.full((), 0.5, device="cuda")
+    expected, _ = reference_unscale(tensors, inv, "cuda")
+    found = torch.zeros((), device="cuda")
+    kernels.unscale_(tensors, inv, found)
+    assert found.item() == 1.0
+    for actual, wanted in zip(tensors, expected):
+        assert_bitwise(actual, wanted)
+
+
+@pytest.mark.cuda
+def test_cuda_more_than_2_to_the_31_elements(cupy_backend):
+    numel = 2**31 + 5
+    free, _ = torch.cuda.mem_get_info()
+    if free < numel * (2 + 4) + 2**30:
+        pytest.skip("needs about 13 GB of free GPU memory")
+    grads = torch.full((numel,), 2.0, dtype=torch.float16, device="cuda")
+    grads[-1] = float("inf")
+    masters = torch.empty(numel, dtype=torch.float32, device="cuda")
+    found = torch.zeros((), device="cuda")
+    kernels.unscale_to_([grads], [masters], torch.full((), 0.5, device="cuda"), found)
+    assert found.item() == 1.0
+    assert masters[-1].item() == float("inf")
+    assert (masters[-1000:-1] == 1.0).all() and masters[0].item() == 1.0
+
+
+@pytest.mark.cuda
+def test_cuda_o2_training_uses_the_kernels(cupy_backend):
+    import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    ).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        for step in range(5):
+            x = torch.randn(32, 64, device="cuda")
+            with amp.scale_loss(model(x).square().mean(), optimizer) as scaled:
+                scaled.backward()
+                if step == 2:
+                    model[0].weight.grad.view(-1)[0] = float("inf")
+            optimizer.step()
+            optimizer.zero_grad()
+        for param, master in zip(model.parameters(), amp.master_params(optimizer)):
+            assert torch.equal(param, master.half())
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+        assert amp.last_overflow().params == ("0.weight",)
+    finally:
+        amp.deinitialize()
