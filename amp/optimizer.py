@@ -14,6 +14,19 @@ from .diagnostics import OverflowReport
 
 MASTER_PARAMS_KEY = "amp_master_params"
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step paths
+_is_sparse = operator.attrgetter("is_sparse")
+
+
+def _dense_values(param, grad):
+    """What to unscale of a gradient: a sparse one's values (FP16 coalesced first, as
+    torch.amp.GradScaler does: summing duplicate indices of scaled values could overflow)."""
+    if not grad.is_sparse:
+        return grad
+    if grad.dtype is torch.float16:
+        param.grad = grad = grad.coalesce()
+    return grad._values()
+
+
 _PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
 
@@ -101,10 +114,11 @@ class OptimizerRecord:
 
     def give_back_model_params(self):
         """Undo of master creation: the optimizer steps the model's own parameters again."""
+        model_param_of = {id(master): model_param for model_param, master in self.master_pairs}
+        for group in self.optimizer.param_groups:
+            group["params"] = [model_param_of.get(id(p), p) for p in group["params"]]
         state = self.optimizer.state
         for model_param, master in self.master_pairs:
-            for group in self.optimizer.param_groups:
-                group["params"] = [model_param if p is master else p for p in group["params"]]
             if master in state:
                 state[model_param] = state.pop(master)
             if model_param.dtype is torch.float32:
@@ -123,8 +137,17 @@ class OptimizerRecord:
         self.stash = [(p, g) for p, g in zip(params, map(_grad, params)) if g is not None]
         for param, _ in self.stash:
             param.grad = None
-        for model_param, _ in self.master_pairs:
-            model_param.grad = None  # scaled leftovers from outside scale_loss are meaningless
+        for model_param, master in self.master_pairs:
+            grad = model_param.grad
+            if grad is not None:
+                # Made by a backward outside amp, so unscaled: it joins the master gradient
+                # (apex dropped it).
+                grad = grad.to_dense() if grad.is_sparse else grad
+                if master.grad is None:
+                    master.grad = grad.float()
+                else:
+                    master.grad.add_(grad)
+                model_param.grad = None
 
     def discard_backward(self):
         """The block raised: put the gradients back as they were before it."""
@@ -145,13 +168,18 @@ class OptimizerRecord:
         Only the new gradients are checked for inf/NaN; `flag` records what is found.
         """
         inv_scale = scaler.inv_scale(flag.tensor.device)
-        plain = [g for g in map(_grad, self.plain_params()) if g is not None]
+        params = self.plain_params()
+        plain = [g for g in map(_grad, params) if g is not None]
+        if any(map(_is_sparse, plain)):
+            plain = [_dense_values(p, p.grad) for p in params if p.grad is not None]
         kernels.unscale_(plain, inv_scale, flag.tensor)
         if self.stash:
             new, kept = [], []
             for param, grad in self.stash:
                 if param.grad is None:
                     param.grad = grad
+                elif param.grad.is_sparse or grad.is_sparse:
+                    param.grad = param.grad + grad  # new + kept, as autograd accumulates
                 else:
                     new.append(param.grad)
                     kept.append(grad)
@@ -164,6 +192,8 @@ class OptimizerRecord:
                 grad = model_param.grad
                 if grad is None:
                     continue
+                if grad.is_sparse:
+                    grad = grad.to_dense()  # masters keep dense gradients
                 if master.grad is None:
                     master.grad = torch.empty_like(master)
                     fresh_sources.append(grad)
@@ -229,10 +259,17 @@ class OptimizerRecord:
                 logger.info(message)
 
     def _nonfinite_names(self, grads):
-        # Only on a skipped step: one reduction and one sync over this optimizer's gradients.
+        # Only on a skipped step: one reduction per gradient, one sync per device.
         if not grads:
             return ()
-        bad = torch.stack([(~torch.isfinite(g)).any().cpu() for _, g in grads]).tolist()
+        flags = [(~torch.isfinite(g._values() if g.is_sparse else g)).any() for _, g in grads]
+        by_device = {}
+        for index, flag in enumerate(flags):
+            by_device.setdefault(flag.device, []).append(index)
+        bad = [False] * len(flags)
+        for indices in by_device.values():
+            for index, is_bad in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
+                bad[index] = is_bad
         return tuple(self.param_name(p) for (p, _), is_bad in zip(grads, bad) if is_bad)
 
     # -- state dict ---------------------------------------------------------------------------

@@ -521,3 +521,34 @@ def test_o2_masters_follow_writes_from_outside_amp():
             scaled.backward()
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_sparse_gradients(opt_level):
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(20, 4, sparse=True)
+    reference = copy.deepcopy(embedding)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    amp.initialize(embedding, optimizer, opt_level=opt_level, verbosity=0)
+    try:
+        tokens = torch.tensor([[1, 2, 2], [7, 1, 0]])
+        for step in range(3):
+            embedding(tokens[:1]).float().square().sum().backward()  # kept apart, added back
+            with amp.scale_loss(embedding(tokens).float().square().mean(), optimizer) as scaled:
+                scaled.backward()
+                if step == 1:
+                    grad = embedding.weight.grad
+                    (grad._values() if grad.is_sparse else grad).view(-1)[0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+            if step != 1:
+                reference(tokens[:1]).float().square().sum().backward()
+                reference(tokens).float().square().mean().backward()
+                reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        assert amp.last_overflow().params == ("weight",)
+        tolerance = dict(rtol=0, atol=0) if opt_level == "O1" else dict(rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(embedding.weight.float(), reference.weight, **tolerance)
+    finally:
+        amp.deinitialize()
