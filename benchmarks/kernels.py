@@ -94,6 +94,19 @@ def alternating(fn_with_inv, device):
     return lambda: (fn_with_inv(half), fn_with_inv(double))
 
 
+def bandwidth_row(case, amp_time, torch_time, bytes_moved, datasheet):
+    """A table row for a memory-bound case: times, amp's GB/s and its fraction of the datasheet."""
+    row = {
+        "case": case,
+        "amp": amp_time,
+        "torch": torch_time,
+        "amp GB/s": bytes_moved / amp_time / 1e9,
+    }
+    if datasheet:
+        row["of datasheet"] = bytes_moved / amp_time / datasheet
+    return row
+
+
 def run(device):
     timer = Timer(device)
     found = torch.zeros((), device=device)
@@ -115,15 +128,11 @@ def run(device):
     copy_source = torch.empty_like(big[0])
     copy_time, _ = timer.compare(lambda: copy_source.copy_(big[0]), lambda: None, repeat=5)
     moved = 8 * numel
-    row = {
-        "case": f"large unscale ({numel * 4 / 2**20:.0f} MiB)",
-        "amp": amp_time,
-        "torch": torch_time,
-        "amp GB/s": moved / amp_time / 1e9,
-        "copy GB/s": moved / copy_time / 1e9,
-    }
+    row = bandwidth_row(
+        f"large unscale ({numel * 4 / 2**20:.0f} MiB)", amp_time, torch_time, moved, datasheet
+    )
+    row["copy GB/s"] = moved / copy_time / 1e9
     if datasheet:
-        row["of datasheet"] = moved / amp_time / datasheet
         row["torch of datasheet"] = moved / torch_time / datasheet
     rows.append(row)
 
@@ -151,15 +160,9 @@ def run(device):
     amp_time, torch_time = timer.compare(
         lambda: kernels.unscale_to_(sources, destinations, inv, found), torch_unscale_to
     )
-    row = {
-        "case": "fp16 grads -> fp32 masters",
-        "amp": amp_time,
-        "torch": torch_time,
-        "amp GB/s": 6 * numel / amp_time / 1e9,
-    }
-    if datasheet:
-        row["of datasheet"] = 6 * numel / amp_time / datasheet
-    rows.append(row)
+    rows.append(
+        bandwidth_row("fp16 grads -> fp32 masters", amp_time, torch_time, 6 * numel, datasheet)
+    )
 
     # Master weights into the model.
     masters = [torch.randn(numel, device=device)]
@@ -167,15 +170,9 @@ def run(device):
     amp_time, torch_time = timer.compare(
         lambda: kernels.copy_(masters, model), lambda: torch._foreach_copy_(model, masters)
     )
-    row = {
-        "case": "fp32 masters -> fp16 params",
-        "amp": amp_time,
-        "torch": torch_time,
-        "amp GB/s": 6 * numel / amp_time / 1e9,
-    }
-    if datasheet:
-        row["of datasheet"] = 6 * numel / amp_time / datasheet
-    rows.append(row)
+    rows.append(
+        bandwidth_row("fp32 masters -> fp16 params", amp_time, torch_time, 6 * numel, datasheet)
+    )
 
     # L2 norm over 300 tensors.
     grads = [torch.randn(n, device=device) for n in ([65536] * 200 + [1 << 20] * 100)]
