@@ -53,7 +53,9 @@ class LossScaler:
         self._init_scale = start
         self._init_unskipped = 0
         self._scale = None  # float32 0-dim tensor, created on first use (dynamic only)
+        self._inv = None  # 1 / scale, kept next to it: one op per update, none per unscale
         self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
+        self._static_inv = {}  # device -> 1 / scale for static scalers
 
     @property
     def is_identity(self):
@@ -63,6 +65,8 @@ class LossScaler:
     def _tensors(self, device):
         if self._scale is None:
             self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+            # The reciprocal on the host in float64, then float32 (as torch's GradScaler does).
+            self._inv = torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
             self._unskipped = torch.full((), self._init_unskipped, dtype=torch.int32, device=device)
         return self._scale
 
@@ -77,11 +81,15 @@ class LossScaler:
         return loss.float() * scale.to(loss.device, non_blocking=True)
 
     def inv_scale(self, device):
-        """1 / scale as a float32 1-element tensor (computed in float64, as torch does)."""
+        """1 / scale as a float32 1-element tensor on `device`."""
         if not self.dynamic:
-            return torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
-        scale = self._tensors(device)
-        return scale.double().reciprocal().float().to(device, non_blocking=True)
+            inv = self._static_inv.get(device)
+            if inv is None:
+                inv = torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
+                self._static_inv[device] = inv
+            return inv
+        self._tensors(device)
+        return self._inv.to(device, non_blocking=True)
 
     def update(self, flag):
         """Back off or grow according to `flag` (an OverflowFlag), on the device; no sync."""
@@ -92,6 +100,9 @@ class LossScaler:
         torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
         if self.min_loss_scale is not None or self.max_loss_scale is not None:
             scale.clamp_(min=self.min_loss_scale, max=self.max_loss_scale)
+        # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;
+        # for any other value it is the correctly rounded one.
+        torch.reciprocal(scale, out=self._inv)
 
     def loss_scale(self):
         """The current scale as a float (reads the device: a sync on CUDA)."""
@@ -108,8 +119,10 @@ class LossScaler:
         """Load a validated {"loss_scale", "unskipped"} entry (see check_state)."""
         self._init_scale = float(state["loss_scale"])
         self._init_unskipped = int(state["unskipped"])
+        self._static_inv = {}
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
+            self._inv.fill_(1.0 / self._init_scale)
             self._unskipped.fill_(self._init_unskipped)
 
 

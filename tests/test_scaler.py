@@ -122,3 +122,17 @@ def test_flag_is_read_once():
     assert flag.is_set() is False
     flag.tensor.fill_(1.0)
     assert flag.is_set() is False  # the decision was taken; the flag is not read again
+
+
+def test_inverse_scale_follows_updates_and_loads():
+    scaler = LossScaler("dynamic", growth_interval=2, min_loss_scale=0.25, max_loss_scale=2.0**17)
+    for overflow in [0, 0, 0, 0] + [1] * 25:
+        ((scale, _),) = run(scaler, [overflow])
+        assert scaler.inv_scale("cpu").item() == 1.0 / scale
+    scaler.load_state_dict({"loss_scale": 1000.0, "unskipped": 0})
+    assert scaler.inv_scale("cpu").item() == torch.tensor(1.0 / 1000.0, dtype=torch.float32).item()
+    static = LossScaler(128.0)
+    assert (
+        static.inv_scale("cpu") is static.inv_scale("cpu")
+        and static.inv_scale("cpu").item() == 1 / 128
+    )
