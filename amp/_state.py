@@ -47,9 +47,5 @@ class AmpState:
         self.ledger = None  # patching.PatchLedger of the current initialize
         self.last_overflow = None
 
-    @property
-    def active(self):
-        return self.initialized and self.enabled
-
 
 amp_state = AmpState()

@@ -46,21 +46,6 @@ class CastPolicy:
             f"cache_enabled={self.cache_enabled})"
         )
 
-    def applies_to(self, tensor):
-        return self.device_filter is None or self.device_filter(tensor)
-
-    def cast(self, tensor, dtype):
-        """`tensor` in `dtype`, through the weight cache where that is allowed."""
-        if (
-            dtype is self.dtype
-            and self.cache_enabled
-            and tensor.requires_grad
-            and tensor.is_leaf
-            and tensor.dtype is torch.float32
-        ):
-            return amp_state.cast_cache.get(tensor, dtype)
-        return tensor.to(dtype)
-
 
 @functools.lru_cache(maxsize=None)
 def policy_for(dtype, device_type=None, cache_enabled=True):

@@ -202,12 +202,19 @@ class OptimizerRecord:
                     add_sources.append(grad)
                     add_to.append(master.grad)
                 model_param.grad = None
-            kernels.unscale_to_(fresh_sources, fresh, inv_scale, flag.tensor)
-            kernels.unscale_add_(add_sources, add_to, inv_scale, flag.tensor)
+            kernels.unscale_to_(fresh_sources, fresh, inv_scale, flag.tensor, check=False)
+            kernels.unscale_add_(add_sources, add_to, inv_scale, flag.tensor, check=False)
 
     # -- step ---------------------------------------------------------------------------------
 
-    def step(self):
+    def step(self, *args, **kwargs):
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is not None:
+            raise RuntimeError(
+                "Currently, Amp does not support closure use with optimizers. Call backward "
+                "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
+                "closure."
+            )
         overflowed = self._take_overflows()
         if overflowed:
             self._skip(overflowed)
@@ -218,7 +225,7 @@ class OptimizerRecord:
             models = [model_param for model_param, _ in self.master_pairs]
             masters = [master for _, master in self.master_pairs]
             with torch.no_grad():
-                kernels.copy_(masters, models)
+                kernels.copy_(masters, models, check=False)
             self.remember_versions()
             for master in masters:
                 master.grad = None  # no model.zero_grad() reaches these (apex did the same)
@@ -374,56 +381,21 @@ class OptimizerRecord:
         self._plain_cache = (None, [])
 
 
-def _record(optimizer):
-    return vars(optimizer).get("_amp_record")
+def _delegate(name):
+    """The method amp puts on an optimizer instance: amp's record does the work, or the
+    optimizer's own class once amp.deinitialize() ran (or on a copy, which has no record)."""
+
+    def method(self, *args, **kwargs):
+        record = vars(self).get("_amp_record")
+        if record is None:
+            return getattr(type(self), name)(self, *args, **kwargs)
+        return getattr(record, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
-def _amp_step(self, *args, **kwargs):
-    record = _record(self)
-    if record is None:  # amp.deinitialize() ran, or this is a copy: a plain optimizer
-        return type(self).step(self, *args, **kwargs)
-    closure = kwargs.get("closure", args[0] if args else None)
-    if closure is not None:
-        raise RuntimeError(
-            "Currently, Amp does not support closure use with optimizers. Call backward inside "
-            "`with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no closure."
-        )
-    return record.step()
-
-
-def _amp_zero_grad(self, set_to_none=True):
-    record = _record(self)
-    if record is None:
-        return type(self).zero_grad(self, set_to_none)
-    return record.zero_grad(set_to_none)
-
-
-def _amp_state_dict(self):
-    record = _record(self)
-    return type(self).state_dict(self) if record is None else record.state_dict()
-
-
-def _amp_load_state_dict(self, state_dict):
-    record = _record(self)
-    if record is None:
-        return type(self).load_state_dict(self, state_dict)
-    return record.load_state_dict(state_dict)
-
-
-def _amp_add_param_group(self, param_group):
-    record = _record(self)
-    if record is None:
-        return type(self).add_param_group(self, param_group)
-    return record.add_param_group(param_group)
-
-
-_REPLACEMENTS = {
-    "step": _amp_step,
-    "zero_grad": _amp_zero_grad,
-    "state_dict": _amp_state_dict,
-    "load_state_dict": _amp_load_state_dict,
-    "add_param_group": _amp_add_param_group,
-}
+_REPLACEMENTS = {name: _delegate(name) for name in _PATCHED_METHODS}
 
 
 def match_state_to_params(optimizer):

@@ -110,20 +110,11 @@ class PatchLedger:
                 stale.append(patch)
         return stale
 
-    @staticmethod
-    def still_applies(patch):
-        """True if `patch` was built against what `parent.attribute` holds now."""
-        current = vars(patch.parent).get(patch.attribute)
-        return current is patch.original if patch.owned else current is None
-
     def add_undo(self, description, undo):
         self._entries.append(Undo(description, undo))
 
     def add_hook(self, handle, description):
         self.add_undo(description, handle.remove)
-
-    def attribute_patches(self):
-        return [entry for entry in self._entries if isinstance(entry, AttributePatch)]
 
     def restore(self):
         """Undo every entry, newest first. Every entry is tried; the first error is re-raised."""

@@ -70,9 +70,6 @@ class LossScaler:
             self._unskipped = torch.full((), self._init_unskipped, dtype=torch.int32, device=device)
         return self._scale
 
-    def device(self):
-        return None if self._scale is None else self._scale.device
-
     def scale(self, loss):
         """loss.float() * scale."""
         if not self.dynamic:

@@ -57,12 +57,6 @@ class TorchPatches:
         self._built.clear()
         self._plan_cache = None
 
-    def patched_names(self):
-        """Qualified names of the attributes currently patched."""
-        if self._ledger is None:
-            return []
-        return [entry.replacement.__amp_name__ for entry in self._ledger.attribute_patches()]
-
     def _plan(self):
         """(namespace object, name, kind, message, display name) for every patch to install."""
         if self._plan_cache is None:
@@ -98,9 +92,7 @@ class TorchPatches:
                     continue
 
                 def make_replacement(original, kind=kind, display=display, message=message):
-                    wrapper = make_wrapper(original, kind, display, message)
-                    wrapper.__amp_name__ = display
-                    return wrapper
+                    return make_wrapper(original, kind, display, message)
 
                 self._built[key] = ledger.patch(namespace, name, make_replacement)
         except BaseException:

@@ -21,7 +21,6 @@ FP32 = "fp32"  # FP32_FUNCS: run in float32
 PROMOTE = "promote"  # CASTS: run in the widest floating type among the arguments
 SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequence argument
 BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
-KINDS = (LOWER_PRECISION, FP32, PROMOTE, SEQUENCE_PROMOTE, BANNED)
 
 _Tensor = torch.Tensor
 _dtype = torch.dtype

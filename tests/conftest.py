@@ -77,11 +77,6 @@ def no_amp_leak():
 
 
 @pytest.fixture
-def device(request):
-    return request.param if hasattr(request, "param") else "cpu"
-
-
-@pytest.fixture
 def registrations():
     """Lets a test register functions; forgets its registrations afterwards."""
     saved = dict(amp_state.user_registrations)

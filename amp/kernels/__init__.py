@@ -106,31 +106,38 @@ def unscale_(tensors, inv_scale, found_inf):
         _flagged("unscale_", (tensors,), inv_scale, found_inf)
 
 
-def unscale_to_(sources, destinations, inv_scale, found_inf):
+def unscale_to_(sources, destinations, inv_scale, found_inf, *, check=True):
     """destinations = sources * inv_scale: model gradients into FP32 master gradients.
 
-    `sources` are checked for inf/NaN. Lists are parallel; shapes must match.
+    `sources` are checked for inf/NaN. Lists are parallel; shapes must match. check=False
+    skips verifying that, for callers that built the lists in parallel (amp, every step).
     """
     if sources:
-        _check_parallel(sources, destinations)
+        if check:
+            _check_parallel(sources, destinations)
         _flagged("unscale_to_", (sources, destinations), inv_scale, found_inf)
 
 
-def unscale_add_(sources, destinations, inv_scale, found_inf):
+def unscale_add_(sources, destinations, inv_scale, found_inf, *, check=True):
     """destinations += sources * inv_scale, multiply and add rounded separately.
 
     Accumulates a new (scaled) gradient into gradients kept from earlier backward passes; only
-    `sources` are checked for inf/NaN.
+    `sources` are checked for inf/NaN. `check` as for unscale_to_.
     """
     if sources:
-        _check_parallel(sources, destinations)
+        if check:
+            _check_parallel(sources, destinations)
         _flagged("unscale_add_", (sources, destinations), inv_scale, found_inf)
 
 
-def copy_(sources, destinations):
-    """destinations = sources, rounded to nearest even: FP32 masters into FP16/BF16 model params."""
+def copy_(sources, destinations, *, check=True):
+    """destinations = sources, rounded to nearest even: FP32 masters into FP16/BF16 model params.
+
+    `check` as for unscale_to_.
+    """
     if sources:
-        _check_parallel(sources, destinations)
+        if check:
+            _check_parallel(sources, destinations)
         for device, (src, dst) in _by_device(sources, destinations):
             _backend(device).copy_(src, dst)
 
