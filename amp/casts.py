@@ -24,21 +24,83 @@ def _is_cpu(tensor):
     return tensor.is_cpu
 
 
+class ExplicitDtype(Exception):
+    """Raised by a converter when the call names its dtype positionally: it runs as asked."""
+
+
+_TensorBase = torch._C.TensorBase  # amp patches torch.Tensor, never its C base
+# The no-argument cast methods: the same op as `.to(dtype)`, with cheaper argument parsing.
+_CAST_METHODS = {
+    torch.float16: _TensorBase.half,
+    torch.bfloat16: _TensorBase.bfloat16,
+    torch.float32: _TensorBase.float,
+}
+_Tensor = torch.Tensor
+_dtype = torch.dtype
+_float32 = torch.float32
+_SEQUENCES = (list, tuple)
+
+
+def _converter(target, sources, device_filter, cache):
+    """A function of a sequence of call arguments: a list with every tensor whose dtype is in
+    `sources` (and that `device_filter` accepts) cast to `target`, looking inside nested lists
+    and tuples, or None when there is nothing to cast. FP32 leaf tensors that require grad
+    (weights) go through `cache` unless it is None. It runs on every patched call, hence the
+    flat loop."""
+    cast = _CAST_METHODS[target]
+    cached_cast = None if cache is None else cache.get_cast(target)
+
+    def convert(values):
+        converted = None
+        index = -1
+        for value in values:
+            index += 1
+            if isinstance(value, _Tensor):
+                dtype = value.dtype
+                if dtype in sources and (device_filter is None or device_filter(value)):
+                    if converted is None:
+                        converted = list(values)
+                    if (
+                        cached_cast is not None
+                        and dtype is _float32
+                        and value.requires_grad
+                        and value.is_leaf
+                    ):
+                        converted[index] = cached_cast(value)
+                    else:
+                        converted[index] = cast(value)
+            elif value.__class__ in _SEQUENCES:
+                if value:
+                    inner = convert(value)
+                    if inner is not None:
+                        if converted is None:
+                            converted = list(values)
+                        converted[index] = value.__class__(inner)
+            elif value.__class__ is _dtype:
+                raise ExplicitDtype
+        return converted
+
+    return convert
+
+
 class CastPolicy:
     """What is cast, and to what, while the policy is in force.
 
     `dtype` is the low-precision type; `device_type` limits casting to tensors on that device
     (None: every device); `cache_enabled` allows reuse of weight casts through the cache.
+    `to_low` and `to_fp32` are the argument converters (see `_converter`) of the policy.
     """
 
-    __slots__ = ("dtype", "device_type", "cache_enabled", "device_filter", "to_low_sources")
+    __slots__ = ("dtype", "device_type", "cache_enabled", "device_filter", "to_low", "to_fp32")
 
     def __init__(self, dtype, device_type=None, cache_enabled=True):
         self.dtype = dtype
         self.device_type = device_type
         self.cache_enabled = cache_enabled
         self.device_filter = {None: None, "cuda": _is_cuda, "cpu": _is_cpu}[device_type]
-        self.to_low_sources = CASTABLE - {dtype}
+        cache = amp_state.cast_cache if cache_enabled else None
+        self.to_low = _converter(dtype, CASTABLE - {dtype}, self.device_filter, cache)
+        self.to_fp32 = _converter(_float32, LOW_PRECISION, self.device_filter, None)
 
     def __repr__(self):
         return (
@@ -64,32 +126,47 @@ class WeightCastCache:
     """
 
     def __init__(self):
-        self._entries = {}
+        # dtype -> {id(weight): (weakref to the weight, its version, its data_ptr, the cast)}
+        self._entries = {dtype: {} for dtype in CASTABLE}
 
     def __len__(self):
-        return len(self._entries)
+        return sum(map(len, self._entries.values()))
 
-    def get(self, tensor, dtype):
-        key = (id(tensor), dtype)
-        entry = self._entries.get(key)
-        if entry is not None:
-            ref, version, data_ptr, cast = entry
-            if ref() is tensor and tensor._version == version and tensor.data_ptr() == data_ptr:
-                return cast
-        if torch.is_grad_enabled():
-            cast = tensor.to(dtype)
-        elif torch.is_inference_mode_enabled():
-            return tensor.to(dtype)  # inference tensors cannot join a graph later: not kept
-        else:
-            # Cast with grad on, so that a cast made under no_grad (an eval pass) is still a
-            # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
-            with torch.enable_grad():
-                cast = tensor.to(dtype)
-        self._entries[key] = (weakref.ref(tensor), tensor._version, tensor.data_ptr(), cast)
-        return cast
+    def get_cast(self, dtype):
+        """The function tensor -> its cast to `dtype`, through the cache."""
+        entries = self._entries[dtype]
+        cast = _CAST_METHODS[dtype]
+        version_of = _TensorBase._version.__get__
+        data_ptr = _TensorBase.data_ptr
+        is_grad_enabled = torch.is_grad_enabled
+
+        def cached_cast(tensor):
+            entry = entries.get(id(tensor))
+            if entry is not None:
+                ref, version, pointer, result = entry
+                if (
+                    ref() is tensor
+                    and version_of(tensor) == version
+                    and data_ptr(tensor) == pointer
+                ):
+                    return result
+            if is_grad_enabled():
+                result = cast(tensor)
+            elif torch.is_inference_mode_enabled():
+                return cast(tensor)  # inference tensors cannot join a graph later: not kept
+            else:
+                # Cast with grad on, so that a cast made under no_grad (an eval pass) is still a
+                # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
+                with torch.enable_grad():
+                    result = cast(tensor)
+            entries[id(tensor)] = (weakref.ref(tensor), version_of(tensor), data_ptr(tensor), result)
+            return result
+
+        return cached_cast
 
     def clear(self):
-        self._entries.clear()
+        for entries in self._entries.values():
+            entries.clear()
 
 
 amp_state.cast_cache = WeightCastCache()

@@ -7,11 +7,12 @@ functions and Tensor methods alike.
 """
 
 import functools
+import operator
 
 import torch
 
 from ._state import amp_state
-from .casts import LOW_PRECISION
+from .casts import CASTABLE, LOW_PRECISION, ExplicitDtype
 from .diagnostics import traced_call
 from .patching import ORIGINAL_ATTRIBUTE
 
@@ -23,60 +24,20 @@ SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequenc
 BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
 
 _Tensor = torch.Tensor
-_dtype = torch.dtype
-_float32 = torch.float32
 _SEQUENCES = (list, tuple)
 
 
-class _RunAsAsked(Exception):
-    """Raised inside a caster when the call names its dtype positionally."""
-
-
-def _convert_sequence(values, policy, target, sources):
-    """A list with the eligible tensors of `values` cast to `target`, or None if none is."""
-    converted = None
-    device_filter = policy.device_filter
-    cache = amp_state.cast_cache if target is policy.dtype and policy.cache_enabled else None
-    index = -1
-    for value in values:
-        index += 1
-        if isinstance(value, _Tensor):
-            dtype = value.dtype
-            if dtype in sources and (device_filter is None or device_filter(value)):
-                if converted is None:
-                    converted = list(values)
-                # FP32 leaf tensors that require grad (weights) go through the cache.
-                if (
-                    cache is not None
-                    and dtype is _float32
-                    and value.requires_grad
-                    and value.is_leaf
-                ):
-                    converted[index] = cache.get(value, target)
-                else:
-                    converted[index] = value.to(target)
-        elif value.__class__ in _SEQUENCES:
-            inner = _convert_sequence(value, policy, target, sources)
-            if inner is not None:
-                if converted is None:
-                    converted = list(values)
-                converted[index] = value.__class__(inner)
-        elif value.__class__ is _dtype:
-            raise _RunAsAsked
-    return converted
-
-
-def _cast_arguments(policy, target, sources, args, kwargs):
-    """(args, kwargs) with eligible tensors cast, or None when nothing changes."""
+def _cast_arguments(convert, args, kwargs):
+    """(args, kwargs) with the tensors `convert` (a CastPolicy converter) casts, or None when
+    nothing changes or the call names its dtype positionally."""
     try:
-        new_args = _convert_sequence(args, policy, target, sources)
+        new_args = convert(args)
         new_kwargs = None
         if kwargs:
-            names = tuple(kwargs)
-            values = _convert_sequence(tuple(kwargs.values()), policy, target, sources)
+            values = convert(kwargs.values())
             if values is not None:
-                new_kwargs = dict(zip(names, values))
-    except _RunAsAsked:
+                new_kwargs = dict(zip(kwargs, values))
+    except ExplicitDtype:
         return None
     if new_args is None and new_kwargs is None:
         return None
@@ -86,7 +47,7 @@ def _cast_arguments(policy, target, sources, args, kwargs):
 def _floating_dtypes(values, policy, found):
     for value in values:
         if isinstance(value, _Tensor):
-            if value.dtype in LOW_PRECISION or value.dtype is _float32:
+            if value.dtype in CASTABLE:
                 if policy.device_filter is None or policy.device_filter(value):
                     found.add(value.dtype)
         elif value.__class__ in _SEQUENCES:
@@ -95,11 +56,11 @@ def _floating_dtypes(values, policy, found):
 
 
 def cast_lower_precision(policy, args, kwargs):
-    return _cast_arguments(policy, policy.dtype, policy.to_low_sources, args, kwargs)
+    return _cast_arguments(policy.to_low, args, kwargs)
 
 
 def cast_fp32(policy, args, kwargs):
-    return _cast_arguments(policy, _float32, LOW_PRECISION, args, kwargs)
+    return _cast_arguments(policy.to_fp32, args, kwargs)
 
 
 def cast_promote(policy, args, kwargs):
@@ -110,7 +71,7 @@ def cast_promote(policy, args, kwargs):
     # fp16 + bf16 mix; amp promotes instead).
     if len(found) < 2:
         return None
-    return _cast_arguments(policy, _float32, LOW_PRECISION, args, kwargs)
+    return _cast_arguments(policy.to_fp32, args, kwargs)
 
 
 def cast_sequence_promote(policy, args, kwargs):
@@ -122,7 +83,7 @@ def cast_sequence_promote(policy, args, kwargs):
         return None
     if len(_floating_dtypes(sequence, policy, set())) < 2:
         return None
-    converted = _convert_sequence(sequence, policy, _float32, LOW_PRECISION)
+    converted = policy.to_fp32(sequence)
     new_sequence = sequence.__class__(converted)
     if rest is args:
         return args, dict(kwargs, tensors=new_sequence)
@@ -149,6 +110,13 @@ CASTERS = {
 }
 
 
+# The converter each kind applies, for the fast path of calls without keyword arguments.
+_FAST_CONVERTERS = {
+    LOWER_PRECISION: operator.attrgetter("to_low"),
+    FP32: operator.attrgetter("to_fp32"),
+}
+
+
 def make_wrapper(original, kind, name, message=None):
     """A replacement for `original` that applies the casting policy `kind` when amp is casting.
 
@@ -156,6 +124,7 @@ def make_wrapper(original, kind, name, message=None):
     names its dtype (`dtype=` or positionally): an explicit dtype runs as asked.
     """
     caster = refuse_low_precision(name, message) if kind == BANNED else CASTERS[kind]
+    converter_of = _FAST_CONVERTERS.get(kind)
     thread = amp_state.thread
 
     def amp_wrapper(*args, **kwargs):
@@ -164,6 +133,13 @@ def make_wrapper(original, kind, name, message=None):
             if thread.trace is None:
                 return original(*args, **kwargs)
             return traced_call(original, name, kind, None, None, args, kwargs)
+        if not kwargs and converter_of is not None and thread.trace is None:
+            # The common call, kept short: it runs for every patched op of a model.
+            try:
+                new_args = converter_of(policy)(args)
+            except ExplicitDtype:
+                new_args = None
+            return original(*args) if new_args is None else original(*new_args)
         if kwargs and ("out" in kwargs or kwargs.get("dtype") is not None):
             new = None
         else:

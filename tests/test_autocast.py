@@ -14,7 +14,10 @@ LOW = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 
 
 class CastCounter(torch.overrides.TorchFunctionMode):
-    """Counts Tensor.to calls that change dtype (the casts amp makes)."""
+    """Counts the casts amp makes: calls of Tensor.to and its dtype shorthands that change the
+    dtype."""
+
+    CASTS = (torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.float)
 
     def __init__(self):
         super().__init__()
@@ -23,7 +26,7 @@ class CastCounter(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if func is torch.Tensor.to and isinstance(result, torch.Tensor) and result is not args[0]:
+        if func in self.CASTS and isinstance(result, torch.Tensor) and result is not args[0]:
             self.casts += 1
         return result
 

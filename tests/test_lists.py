@@ -203,3 +203,45 @@ def test_agrees_with_torch_cpu_autocast(dtype):
         with amp.autocast(dtype=dtype, device_type="cpu"):
             actual = case()
         _assert_same(actual, expected)
+
+
+DELEGATING = [entry for entry in ENTRIES if (entry.namespace, entry.name) in lists.delegates()]
+
+
+def test_delegates_are_table_entries_with_a_delegate_of_the_same_policy():
+    kinds = {(entry.namespace, entry.name): entry.kind for entry in ENTRIES}
+    assert len(DELEGATING) == len(lists.delegates()) == 14
+    for entry in DELEGATING:
+        assert kinds[lists.delegates()[(entry.namespace, entry.name)]] == entry.kind, _id(entry)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("entry", DELEGATING, ids=_id)
+def test_delegating_function_is_left_alone_and_its_delegate_applies_the_policy(entry, dtype):
+    """The installed torch's function passes its tensors to the patched delegate, so the
+    policy applies exactly once (the table-dtype test above checks the result)."""
+    function = getattr(lists.resolve_namespace(entry.namespace), entry.name)
+    args, kwargs = sample(entry, _maker(_INPUT_DTYPE[entry.kind](dtype)))
+    target_namespace, target = lists.delegates()[(entry.namespace, entry.name)]
+    with amp.autocast(dtype=dtype):
+        assert getattr(lists.resolve_namespace(entry.namespace), entry.name) is function
+        with amp.trace() as trace:
+            _call(entry, args, kwargs)
+    assert [(record.op, record.policy) for record in trace] == [
+        (f"{target_namespace}.{target}", entry.kind)
+    ]
+    assert trace.records[0].ran_in is torch.float32
+
+
+def test_delegating_function_is_wrapped_when_its_delegate_has_another_policy(registrations):
+    x = torch.randn(2, 4)
+    amp.register_half_function(torch, "layer_norm")
+    with amp.autocast(dtype=torch.bfloat16):
+        with amp.trace() as trace:
+            out = torch.nn.functional.layer_norm(x, (4,))
+    # F.layer_norm keeps its table policy (FP32); the registration rules torch.layer_norm only.
+    assert [(record.op, record.policy) for record in trace] == [
+        ("torch.layer_norm", wrappers.LOWER_PRECISION),
+        ("torch.nn.functional.layer_norm", wrappers.FP32),
+    ]
+    assert out.dtype is torch.bfloat16

@@ -109,6 +109,16 @@ def entries():
             yield Entry(table.MODULE, name, BANNED, message)
 
 
+def delegates():
+    """{(namespace, name): (namespace, name) of the patched entry it passes its tensors to}, from
+    the tables' DELEGATES (a table without delegates need not define it)."""
+    return {
+        (table.MODULE, name): target
+        for table in TABLES
+        for name, target in getattr(table, "DELEGATES", {}).items()
+    }
+
+
 def missing():
     """The entries whose names the installed torch does not have (skipped when patching)."""
     return [

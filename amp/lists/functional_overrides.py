@@ -73,6 +73,26 @@ SEQUENCE_CASTS = ()
 
 PROMOTED_BY_TORCH = ()
 
+# Functions that only pass their tensors on to a patched entry of the same policy ("namespace",
+# "name"). They stay in the tables above (their policy is tested through them) but are not
+# wrapped while that entry is: one policy check per call instead of two.
+DELEGATES = {
+    "layer_norm": ("torch", "layer_norm"),
+    "rms_norm": ("torch", "rms_norm"),
+    "group_norm": ("torch", "group_norm"),
+    "softmax": ("torch.Tensor", "softmax"),
+    "softmin": ("torch.Tensor", "softmax"),
+    "log_softmax": ("torch.Tensor", "log_softmax"),
+    "kl_div": ("torch", "kl_div"),
+    "poisson_nll_loss": ("torch", "poisson_nll_loss"),
+    "cosine_embedding_loss": ("torch", "cosine_embedding_loss"),
+    "hinge_embedding_loss": ("torch", "hinge_embedding_loss"),
+    "margin_ranking_loss": ("torch", "margin_ranking_loss"),
+    "binary_cross_entropy_with_logits": ("torch", "binary_cross_entropy_with_logits"),
+    "triplet_margin_loss": ("torch", "triplet_margin_loss"),
+    "ctc_loss": ("torch", "ctc_loss"),
+}
+
 BANNED_FUNCS = (
     (
         "binary_cross_entropy",
