@@ -134,9 +134,13 @@ class OptimizerRecord:
         """Keep existing gradients apart, so this backward writes only its own into `.grad`."""
         self.follow_external_writes()
         params = self.plain_params()
-        self.stash = [(p, g) for p, g in zip(params, map(_grad, params)) if g is not None]
-        for param, _ in self.stash:
-            param.grad = None
+        grads = list(map(_grad, params))
+        if grads.count(None) == len(grads):
+            self.stash = []  # the usual case after zero_grad(set_to_none=True)
+        else:
+            self.stash = [(p, g) for p, g in zip(params, grads) if g is not None]
+            for param, _ in self.stash:
+                param.grad = None
         for model_param, master in self.master_pairs:
             grad = model_param.grad
             if grad is not None:

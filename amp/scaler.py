@@ -74,8 +74,11 @@ class LossScaler:
         """loss.float() * scale."""
         if not self.dynamic:
             return loss.float() * self._init_scale
-        scale = self._tensors(loss.device)
-        return loss.float() * scale.to(loss.device, non_blocking=True)
+        device = loss.device
+        scale = self._tensors(device)
+        if scale.device != device:
+            scale = scale.to(device, non_blocking=True)
+        return loss.float() * scale
 
     def inv_scale(self, device):
         """1 / scale as a float32 1-element tensor on `device`."""
@@ -98,8 +101,9 @@ class LossScaler:
         if self.min_loss_scale is not None or self.max_loss_scale is not None:
             scale.clamp_(min=self.min_loss_scale, max=self.max_loss_scale)
         # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;
-        # for any other value it is the correctly rounded one.
-        torch.reciprocal(scale, out=self._inv)
+        # for any other value it is the correctly rounded one. In-place methods, which amp never
+        # patches: its own arithmetic stays out of the user's casts and traces.
+        self._inv.copy_(scale).reciprocal_()
 
     def loss_scale(self):
         """The current scale as a float (reads the device: a sync on CUDA)."""

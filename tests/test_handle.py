@@ -311,6 +311,29 @@ def test_scale_loss_errors():
         amp.deinitialize()
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_trace_of_a_training_step_shows_only_the_models_ops(opt_level):
+    """amp's own arithmetic (scaling, unscaling, the scale update, master copies) never goes
+    through its patches, so a user's trace of a step lists the model's ops and nothing else."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    try:
+        for step in range(2):
+            with amp.trace() as trace:
+                optimizer.zero_grad()
+                with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
+                    scaled.backward()
+                optimizer.step()
+            assert trace.ops() == (
+                ["torch.nn.functional.linear"] * 2 + ["torch.Tensor.__pow__"]
+                if opt_level == "O1"
+                else []
+            )
+    finally:
+        amp.deinitialize()
+
+
 def test_closures_are_refused():
     model = make_model()
     optimizer = torch.optim.LBFGS(model.parameters())
