@@ -35,10 +35,10 @@ def print_table(title, rows, columns, time_columns=()):
     print(flush=True)
 
 
-def interleaved(variants, rounds):
+def interleaved_rounds(variants, rounds):
     """Run each variant (a callable returning a list of timings) once per round, in an order that
     rotates from round to round (the first variant of a round runs a few percent slower on this
-    machine); round 0 warms up and is dropped. Returns {name: all timings}."""
+    machine); round 0 warms up and is dropped. Returns {name: [timings of each round]}."""
     names = list(variants)
     times = {name: [] for name in names}
     for round_index in range(rounds + 1):
@@ -46,5 +46,13 @@ def interleaved(variants, rounds):
         for name in names[shift:] + names[:shift]:
             timings = variants[name]()
             if round_index:
-                times[name].extend(timings)
+                times[name].append(timings)
     return times
+
+
+def interleaved(variants, rounds):
+    """As interleaved_rounds, with the timings of all rounds in one list per variant."""
+    return {
+        name: [t for round_times in per_round for t in round_times]
+        for name, per_round in interleaved_rounds(variants, rounds).items()
+    }

@@ -4,7 +4,8 @@
 
 The three variants run in the same process, in rounds whose order rotates (the first variant of a
 round runs a few percent slower here), on identical models and data; the table gives the median
-time per step over all rounds and the ratios to FP32 and to torch.autocast.
+time per step over all rounds, its ratio to FP32, and the median (and range) over rounds of the
+ratio to torch.autocast within each round.
 """
 
 import argparse
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import interleaved, print_table  # noqa: E402
+from harness import interleaved_rounds, print_table  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -113,9 +114,22 @@ def run(dtype, device, steps, rounds):
         ),
         "amp O1": run_amp,
     }
-    times = interleaved(variants, rounds)
+    times = interleaved_rounds(variants, rounds)
     # The median step: this 2-core machine is shared, and single steps are hit by outside noise.
-    return {name: statistics.median(values) for name, values in times.items()}
+    medians = {
+        name: statistics.median(t for round_times in per_round for t in round_times)
+        for name, per_round in times.items()
+    }
+    # The ratios are paired within a round (the variants ran back to back there), which cancels
+    # the slow drifts of a shared machine that the medians above still carry.
+    ratios = {
+        name: [
+            statistics.median(ours) / statistics.median(theirs)
+            for ours, theirs in zip(per_round, times["torch.autocast"])
+        ]
+        for name, per_round in times.items()
+    }
+    return medians, ratios
 
 
 def main(argv=None):
@@ -128,24 +142,29 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    medians = run(dtype, args.device, args.steps, args.rounds)
+    medians, ratios = run(dtype, args.device, args.steps, args.rounds)
     rows = [
         {
             "variant": name,
             "time per step": seconds,
             "/ fp32": seconds / medians["fp32"],
-            "/ torch.autocast": seconds / medians["torch.autocast"],
+            "/ torch.autocast": statistics.median(ratios[name]),
+            "rounds: min-max": f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f}",
         }
         for name, seconds in medians.items()
     ]
     print_table(
         f"transformer training step ({LAYERS} layers, width {WIDTH}, batch {BATCH}x{LENGTH}), "
-        f"{args.dtype} on {args.device}, median of {args.rounds} rounds x {args.steps} steps",
+        f"{args.dtype} on {args.device}, median of {args.rounds} rounds x {args.steps} steps; "
+        "/ torch.autocast is the median of the per-round ratios",
         rows,
-        ["variant", "time per step", "/ fp32", "/ torch.autocast"],
+        ["variant", "time per step", "/ fp32", "/ torch.autocast", "rounds: min-max"],
         time_columns=("time per step",),
     )
-    return medians
+    return {
+        name: {"time": medians[name], "/ torch.autocast": row["/ torch.autocast"]}
+        for name, row in zip(medians, rows)
+    }
 
 
 if __name__ == "__main__":
