@@ -78,18 +78,19 @@ class TorchPatches:
         for (namespace, name), kind in registered.items():
             display = f"{getattr(namespace, '__name__', type(namespace).__name__)}.{name}"
             plan.append((namespace, name, kind, None, display))
-        return self._without_delegates(plan)
+        return self._without_delegates(plan, overridden)
 
     @staticmethod
-    def _without_delegates(plan):
-        """The plan less the functions whose delegate is patched with the same policy."""
+    def _without_delegates(plan, registered):
+        """The plan less the table functions whose delegate is patched with the same policy
+        (a function the user registered is always wrapped)."""
         kinds = {(id(namespace), name): kind for namespace, name, kind, _, _ in plan}
         skipped = set()
         for (namespace_path, name), (target_path, target) in lists.delegates().items():
-            namespace = lists.resolve_namespace(namespace_path)
+            key = (id(lists.resolve_namespace(namespace_path)), name)
             target_kind = kinds.get((id(lists.resolve_namespace(target_path)), target))
-            if target_kind is not None and kinds.get((id(namespace), name)) == target_kind:
-                skipped.add((id(namespace), name))
+            if key not in registered and target_kind is not None and kinds.get(key) == target_kind:
+                skipped.add(key)
         return [step for step in plan if (id(step[0]), step[1]) not in skipped]
 
     def _install(self):

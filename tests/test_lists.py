@@ -245,3 +245,11 @@ def test_delegating_function_is_wrapped_when_its_delegate_has_another_policy(reg
         ("torch.nn.functional.layer_norm", wrappers.FP32),
     ]
     assert out.dtype is torch.bfloat16
+
+
+def test_a_registered_delegating_function_is_wrapped(registrations):
+    amp.register_float_function(torch.nn.functional, "layer_norm")
+    with amp.autocast(dtype=torch.bfloat16):
+        with amp.trace() as trace:
+            torch.nn.functional.layer_norm(torch.randn(2, 4).bfloat16(), (4,))
+    assert trace.ops() == ["torch.layer_norm", "torch.nn.functional.layer_norm"]
