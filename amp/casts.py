@@ -159,7 +159,12 @@ class WeightCastCache:
                 # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
                 with torch.enable_grad():
                     result = cast(tensor)
-            entries[id(tensor)] = (weakref.ref(tensor), version_of(tensor), data_ptr(tensor), result)
+            entries[id(tensor)] = (
+                weakref.ref(tensor),
+                version_of(tensor),
+                data_ptr(tensor),
+                result,
+            )
             return result
 
         return cached_cast
