@@ -38,7 +38,7 @@ _CAST_METHODS = {
 _Tensor = torch.Tensor
 _dtype = torch.dtype
 _float32 = torch.float32
-_SEQUENCES = (list, tuple)
+SEQUENCES = (list, tuple)  # the containers patched calls are searched for tensors
 
 
 def _converter(target, sources, device_filter, cache):
@@ -69,7 +69,7 @@ def _converter(target, sources, device_filter, cache):
                         converted[index] = cached_cast(value)
                     else:
                         converted[index] = cast(value)
-            elif value.__class__ in _SEQUENCES:
+            elif value.__class__ in SEQUENCES:
                 if value:
                     inner = convert(value)
                     if inner is not None:

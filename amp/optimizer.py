@@ -135,12 +135,11 @@ class OptimizerRecord:
         self.follow_external_writes()
         params = self.plain_params()
         grads = list(map(_grad, params))
-        if grads.count(None) == len(grads):
-            self.stash = []  # the usual case after zero_grad(set_to_none=True)
-        else:
-            self.stash = [(p, g) for p, g in zip(params, grads) if g is not None]
-            for param, _ in self.stash:
-                param.grad = None
+        # No gradient at all is the usual case after zero_grad(set_to_none=True): skip the scan.
+        no_grads = grads.count(None) == len(grads)
+        self.stash = [] if no_grads else [(p, g) for p, g in zip(params, grads) if g is not None]
+        for param, _ in self.stash:
+            param.grad = None
         for model_param, master in self.master_pairs:
             grad = model_param.grad
             if grad is not None:

@@ -12,7 +12,7 @@ import operator
 import torch
 
 from ._state import amp_state
-from .casts import CASTABLE, LOW_PRECISION, ExplicitDtype
+from .casts import CASTABLE, LOW_PRECISION, SEQUENCES, ExplicitDtype
 from .diagnostics import traced_call
 from .patching import ORIGINAL_ATTRIBUTE
 
@@ -24,7 +24,6 @@ SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequenc
 BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
 
 _Tensor = torch.Tensor
-_SEQUENCES = (list, tuple)
 
 
 def _cast_arguments(convert, args, kwargs):
@@ -50,7 +49,7 @@ def _floating_dtypes(values, policy, found):
             if value.dtype in CASTABLE:
                 if policy.device_filter is None or policy.device_filter(value):
                     found.add(value.dtype)
-        elif value.__class__ in _SEQUENCES:
+        elif value.__class__ in SEQUENCES:
             _floating_dtypes(value, policy, found)
     return found
 
@@ -75,9 +74,9 @@ def cast_promote(policy, args, kwargs):
 
 
 def cast_sequence_promote(policy, args, kwargs):
-    if args and args[0].__class__ in _SEQUENCES:
+    if args and args[0].__class__ in SEQUENCES:
         sequence, rest = args[0], args[1:]
-    elif kwargs and kwargs.get("tensors").__class__ in _SEQUENCES:
+    elif kwargs and kwargs.get("tensors").__class__ in SEQUENCES:
         sequence, rest = kwargs["tensors"], args
     else:
         return None
