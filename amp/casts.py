@@ -4,7 +4,6 @@ import collections
 import copy
 import dataclasses
 import functools
-import weakref
 
 import torch
 
@@ -126,7 +125,9 @@ class WeightCastCache:
     """
 
     def __init__(self):
-        # dtype -> {id(weight): (weakref to the weight, its version, its data_ptr, the cast)}
+        # dtype -> {id(weight): (the weight, its version, its data_ptr, the cast)}. Holding the
+        # weight keeps nothing alive that the cast does not already hold (through its autograd
+        # node), and it rules out a recycled id while the entry exists.
         self._entries = {dtype: {} for dtype in CASTABLE}
 
     def __len__(self):
@@ -143,9 +144,9 @@ class WeightCastCache:
         def cached_cast(tensor):
             entry = entries.get(id(tensor))
             if entry is not None:
-                ref, version, pointer, result = entry
+                weight, version, pointer, result = entry
                 if (
-                    ref() is tensor
+                    weight is tensor
                     and version_of(tensor) == version
                     and data_ptr(tensor) == pointer
                 ):
@@ -159,12 +160,7 @@ class WeightCastCache:
                 # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
                 with torch.enable_grad():
                     result = cast(tensor)
-            entries[id(tensor)] = (
-                weakref.ref(tensor),
-                version_of(tensor),
-                data_ptr(tensor),
-                result,
-            )
+            entries[id(tensor)] = (tensor, version_of(tensor), data_ptr(tensor), result)
             return result
 
         return cached_cast

@@ -1,6 +1,8 @@
 """O1 casting semantics: eligibility, promotion, the weight cache, regions, threads, extensions."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -171,6 +173,28 @@ def test_cache_never_serves_a_stale_weight(update):
         expected = F.linear(x.half(), linear.weight.half(), linear.bias.half())
     assert torch.equal(second, expected)
     assert not torch.equal(first, second)
+
+
+def test_cache_never_serves_the_cast_of_another_weight():
+    # Weights made and dropped inside one region: each call gets the cast of its own weight.
+    x = torch.randn(2, 4)
+    with amp.autocast():
+        for _ in range(20):
+            weight = torch.nn.Parameter(torch.randn(4, 4))
+            expected = F.linear(x.half(), weight.detach().half())
+            assert torch.equal(F.linear(x, weight), expected)
+            del weight
+
+
+def test_cleared_cache_keeps_no_weight_alive():
+    linear = torch.nn.Linear(4, 4)
+    weight = weakref.ref(linear.weight)
+    with amp.autocast():
+        linear(torch.randn(2, 4))
+        assert len(amp_state.cast_cache) == 2
+    del linear
+    gc.collect()
+    assert weight() is None
 
 
 def test_cache_made_under_no_grad_still_trains():
