@@ -91,6 +91,10 @@ def scale_loss(
             f"{len(amp_state.loss_scalers) - 1}."
         )
     scaler = amp_state.loss_scalers[loss_id]
+    # The forward pass is over. Autograd keeps the weight casts its backward needs and frees each
+    # as soon as it has been used; the cache holding them all through backward would only raise
+    # the peak memory (and slow the backward's allocations).
+    amp_state.cast_cache.clear()
     try:
         if scaler.is_identity and not any(record.master_pairs for record in records):
             yield loss.float()  # nothing to scale or check (O0 and O3 by default)
