@@ -121,7 +121,8 @@ class WeightCastCache:
     version counter and storage are unchanged, so an in-place update (an optimizer step, an EMA
     swap, `param.copy_`) or a `param.data = ...` swap is never answered with a stale cast.
     Writes through `param.data` bypass the version counter; amp clears the cache after every
-    optimizer step it drives, at `scale_loss` exit and when the outermost autocast region exits.
+    optimizer step it drives, when `scale_loss` starts and ends, and when the outermost autocast
+    region exits.
     """
 
     def __init__(self):
