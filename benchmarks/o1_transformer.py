@@ -107,7 +107,7 @@ def time_steps(step, model, optimizer, data, context, sync, clock):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def run(dtype, device, steps, rounds, clock="wall", sizes=SIZES):
+def run(dtype, device, steps, rounds, clock, sizes):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     clock = CLOCKS[clock]
     data = batches(device, steps, sizes)
