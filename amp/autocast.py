@@ -6,18 +6,15 @@ import functools
 import torch
 
 from ._state import amp_state
-from .casts import DEVICE_TYPES, LOW_PRECISION, cast_tree, policy_for
+from . import native_autocast as native_state
+from .casts import DEVICE_FILTERS, DEVICE_TYPES, LOW_PRECISION, cast_tree, with_device
 
 _UNSET = object()
 
 
 @contextlib.contextmanager
 def policy_scope(policy):
-    """Run the block with `policy` (None: no casting) in force in this thread.
-
-    Installs the torch patches for the block when a policy is given, so the region casts even
-    when nothing else holds them (a backward pass that runs after its autocast region exited).
-    """
+    """Run the block with `policy` (None: no casting) in force in this thread, every device."""
     thread = amp_state.thread
     saved = thread.__dict__.get("policy", _UNSET)
     patches = amp_state.torch_patches if policy is not None else None
@@ -48,13 +45,67 @@ def disable_casts():
         yield
 
 
+def enter_region(device_type, dtype, cache_enabled):
+    """Open a casting region in this thread: on `device_type` (None: cpu and cuda) amp casts to
+    `dtype` (None: not at all) until `exit_region(token)`. amp.autocast and torch.autocast (while
+    amp's patches are installed) both come here, so the two nest as one stack of regions."""
+    thread = amp_state.thread
+    patches = amp_state.torch_patches
+    patches.acquire()  # installs the patches on first use; they stay until amp.deinitialize()
+    saved = thread.__dict__.get("policy", _UNSET)
+    thread.policy = with_device(thread.policy, device_type, dtype, cache_enabled)
+    thread.autocast_depth += 1
+    # A torch.autocast region opened before amp's patches were installed set torch's own state;
+    # amp's region turns it off for its devices so that torch's dispatcher does not cast too.
+    native = native_state.switch_off(device_type) if native_state.any_enabled() else ()
+    return saved, native
+
+
+def exit_region(token):
+    saved, native = token
+    thread = amp_state.thread
+    try:
+        native_state.restore(native)
+        thread.autocast_depth -= 1
+        if saved is _UNSET:
+            del thread.policy
+        else:
+            thread.policy = saved
+        if thread.autocast_depth == 0:
+            amp_state.cast_cache.clear()
+    finally:
+        amp_state.torch_patches.release()
+
+
+_DEFAULT = object()  # an argument not given
+_AMP_FORM = ("enabled", "dtype", "cache_enabled", "device_type")
+_TORCH_FORM = ("device_type", "dtype", "enabled", "cache_enabled")
+
+
+def _check_device_type(device_type):
+    if not isinstance(device_type, str):
+        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+    if device_type not in DEVICE_TYPES:
+        raise RuntimeError(
+            f"amp.autocast: unsupported device_type {device_type!r}; amp casts on "
+            f"{' and '.join(DEVICE_TYPES)} (pass device_type=None for both). For other devices "
+            "use torch.autocast."
+        )
+
+
 class autocast:
     """Context manager and decorator that applies amp's O1 casting policy in a region.
 
-    Works without `amp.initialize`: the torch patches are installed on entry and removed when the
-    last region in the process exits. Regions nest (an `autocast(enabled=False)` inside an enabled
+    Works without `amp.initialize`. Regions nest (an `autocast(enabled=False)` inside an enabled
     one turns casting off for its block), are thread-local, and restore their state on exceptions.
-    Casts of FP32 weights are cached until the outermost region of the thread exits.
+    Casts of FP32 weights are cached until the outermost region of the thread exits. A region is
+    one torch autocast region: inside it `torch.is_autocast_enabled(device)` and
+    `torch.get_autocast_dtype(device)` report it, and `torch.autocast` regions nested in it
+    (checkpoint recomputation, `custom_fwd`, libraries' FP32 islands) are amp regions too.
+
+    Accepts amp's form ``autocast(enabled=True, dtype=torch.float16, cache_enabled=True,
+    device_type=None)`` and torch's ``autocast("cuda", dtype=None, enabled=True,
+    cache_enabled=None)``, where dtype None means the device's current autocast dtype.
 
     Args:
         enabled (bool, optional, default=True): whether the region casts.
@@ -71,53 +122,52 @@ class autocast:
         loss.backward()
     """
 
-    def __init__(self, enabled=True, dtype=torch.float16, cache_enabled=True, device_type=None):
+    def __init__(self, *args, **kwargs):
+        torch_form = bool(args) and isinstance(args[0], str)
+        names = _TORCH_FORM if torch_form else _AMP_FORM
+        if len(args) > len(names):
+            raise TypeError(f"autocast takes at most {len(names)} positional arguments")
+        given = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in _AMP_FORM:
+                raise TypeError(f"autocast() got an unexpected keyword argument {name!r}")
+            if name in given:
+                raise TypeError(f"autocast() got multiple values for argument {name!r}")
+            given[name] = value
+        enabled = given.get("enabled", True)
+        device_type = given.get("device_type")
+        dtype = given.get("dtype")
+        cache_enabled = given.get("cache_enabled")
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast(enabled=...) must be a bool; got {enabled!r}.")
-        if dtype not in LOW_PRECISION:
+        if device_type is not None:
+            _check_device_type(device_type)
+        if dtype is None:
+            # torch's form: the device's current autocast dtype; amp's: float16 (API.md).
+            dtype = torch.get_autocast_dtype(device_type) if torch_form else torch.float16
+        if enabled and dtype not in LOW_PRECISION:
             raise ValueError(
                 f"autocast(dtype={dtype!r}) is not a low-precision type; "
                 "pass torch.float16 or torch.bfloat16."
             )
+        if cache_enabled is None:
+            cache_enabled = torch.is_autocast_cache_enabled() if torch_form else True
         if not isinstance(cache_enabled, bool):
             raise TypeError(f"autocast(cache_enabled=...) must be a bool; got {cache_enabled!r}.")
-        if device_type is not None and device_type not in DEVICE_TYPES:
-            raise ValueError(
-                f"autocast(device_type={device_type!r}) is not supported; "
-                f"pass one of {DEVICE_TYPES} or None for every device."
-            )
         self.enabled = enabled
         self.dtype = dtype
         self.cache_enabled = cache_enabled
         self.device_type = device_type
-        self._saved = []  # one entry per active entry of this object, for re-entrant use
+        self._tokens = []  # one per active entry of this object, for re-entrant use
 
     def __enter__(self):
-        thread = amp_state.thread
-        if self.enabled:
-            amp_state.torch_patches.acquire()
-            policy = policy_for(self.dtype, self.device_type, self.cache_enabled)
-        else:
-            policy = None
-        self._saved.append(thread.__dict__.get("policy", _UNSET))
-        thread.policy = policy
-        thread.autocast_depth += 1
+        self._tokens.append(
+            enter_region(self.device_type, self.dtype if self.enabled else None, self.cache_enabled)
+        )
         return self
 
     def __exit__(self, *exc_info):
-        thread = amp_state.thread
-        saved = self._saved.pop()
-        try:
-            thread.autocast_depth -= 1
-            if saved is _UNSET:
-                del thread.policy
-            else:
-                thread.policy = saved
-            if thread.autocast_depth == 0:
-                amp_state.cast_cache.clear()
-        finally:
-            if self.enabled:
-                amp_state.torch_patches.release()
+        exit_region(self._tokens.pop())
         return False
 
     def __call__(self, func):
@@ -160,21 +210,26 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
         )
     if device_type is not None and device_type not in DEVICE_TYPES:
         raise ValueError(f"custom_fwd(device_type={device_type!r}) must be one of {DEVICE_TYPES}.")
-    device_filter = policy_for(torch.float16, device_type).device_filter
+    device_filter = DEVICE_FILTERS[device_type]
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx, *args, **kwargs):
         policy = amp_state.thread.policy
-        if cast_inputs is None or policy is None:
+        casting = policy is not None and (device_type is None or policy.dtype_for(device_type))
+        if cast_inputs is None or not casting:
             ctx._amp_policy = policy
             return fwd(ctx, *args, **kwargs)
-        ctx._amp_policy = None
-        with policy_scope(None):
+        # Casting off on that device for the body (and its backward), as torch.amp does.
+        ctx._amp_policy = with_device(policy, device_type, None, policy.cache_enabled)
+        token = enter_region(device_type, None, policy.cache_enabled)
+        try:
             return fwd(
                 ctx,
                 *cast_tree(args, cast_inputs, device_filter),
                 **cast_tree(kwargs, cast_inputs, device_filter),
             )
+        finally:
+            exit_region(token)
 
     return decorate_fwd
 

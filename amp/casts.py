@@ -23,6 +23,9 @@ def _is_cpu(tensor):
     return tensor.is_cpu
 
 
+DEVICE_FILTERS = {None: None, "cuda": _is_cuda, "cpu": _is_cpu}  # device_type -> tensor predicate
+
+
 class ExplicitDtype(Exception):
     """Raised by a converter when the call names its dtype positionally: it runs as asked."""
 
@@ -83,35 +86,90 @@ def _converter(target, sources, device_filter, cache):
 
 
 class CastPolicy:
-    """What is cast, and to what, while the policy is in force.
+    """What is cast, and to what, while the policy is in force: a low-precision dtype per device
+    type (None: amp casts nothing on that device), as torch keeps one autocast state per device.
 
-    `dtype` is the low-precision type; `device_type` limits casting to tensors on that device
-    (None: every device); `cache_enabled` allows reuse of weight casts through the cache.
-    `to_low` and `to_fp32` are the argument converters (see `_converter`) of the policy.
+    `cpu` and `cuda` are the dtypes for tensors on those devices; when both are the same dtype
+    the policy casts tensors on every device (meta tensors included). `cache_enabled` allows reuse
+    of weight casts through the cache. `to_low` and `to_fp32` are the argument converters (see
+    `_converter`) of the policy; `device_filter` accepts the tensors the policy casts.
     """
 
-    __slots__ = ("dtype", "device_type", "cache_enabled", "device_filter", "to_low", "to_fp32")
+    __slots__ = ("cpu", "cuda", "cache_enabled", "device_filter", "to_low", "to_fp32")
 
-    def __init__(self, dtype, device_type=None, cache_enabled=True):
-        self.dtype = dtype
-        self.device_type = device_type
+    def __init__(self, cpu, cuda, cache_enabled=True):
+        self.cpu = cpu
+        self.cuda = cuda
         self.cache_enabled = cache_enabled
-        self.device_filter = {None: None, "cuda": _is_cuda, "cpu": _is_cpu}[device_type]
         cache = amp_state.cast_cache if cache_enabled else None
-        self.to_low = _converter(dtype, CASTABLE - {dtype}, self.device_filter, cache)
+        if cpu is cuda:
+            self.device_filter = None
+            self.to_low = _converter(cpu, CASTABLE - {cpu}, None, cache)
+        elif cpu is None or cuda is None:
+            self.device_filter = _is_cuda if cpu is None else _is_cpu
+            target = cpu or cuda
+            self.to_low = _converter(target, CASTABLE - {target}, self.device_filter, cache)
+        else:  # a different dtype per device (a nested torch.autocast on one of them)
+            self.device_filter = None
+            self.to_low = _chain(
+                _converter(cuda, CASTABLE - {cuda}, _is_cuda, cache),
+                _converter(cpu, CASTABLE - {cpu}, _is_cpu, cache),
+            )
         self.to_fp32 = _converter(_float32, LOW_PRECISION, self.device_filter, None)
 
+    @property
+    def dtype(self):
+        """The low-precision dtype (the CUDA one when the devices differ)."""
+        return self.cuda or self.cpu
+
+    def dtype_for(self, device_type):
+        """The dtype amp casts to on `device_type`, or None where it casts nothing."""
+        if device_type == "cpu":
+            return self.cpu
+        if device_type == "cuda":
+            return self.cuda
+        return None
+
+    def target_for(self, tensor):
+        """The dtype amp casts `tensor` to, or None where it casts nothing on its device."""
+        if self.device_filter is not None and not self.device_filter(tensor):
+            return None
+        return self.cuda if tensor.is_cuda else self.cpu
+
     def __repr__(self):
-        return (
-            f"CastPolicy(dtype={self.dtype}, device_type={self.device_type!r}, "
-            f"cache_enabled={self.cache_enabled})"
-        )
+        return f"CastPolicy(cpu={self.cpu}, cuda={self.cuda}, cache_enabled={self.cache_enabled})"
+
+
+def _chain(first, second):
+    """A converter applying `first`, then `second` to its result."""
+
+    def convert(values):
+        converted = first(values)
+        again = second(values if converted is None else converted)
+        return converted if again is None else again
+
+    return convert
 
 
 @functools.lru_cache(maxsize=None)
-def policy_for(dtype, device_type=None, cache_enabled=True):
-    """Policies are immutable; share one object per configuration."""
-    return CastPolicy(dtype, device_type, cache_enabled)
+def policy_for(cpu, cuda, cache_enabled=True):
+    """The policy casting to `cpu` / `cuda` on those devices (None: off there), or None when it
+    casts nothing. Policies are immutable; one object is shared per configuration."""
+    if cpu is None and cuda is None:
+        return None
+    return CastPolicy(cpu, cuda, cache_enabled)
+
+
+def with_device(policy, device_type, dtype, cache_enabled):
+    """`policy` with the dtype of `device_type` changed to `dtype` (None: casting off there);
+    `device_type` None changes every device."""
+    cpu = policy.cpu if policy is not None else None
+    cuda = policy.cuda if policy is not None else None
+    if device_type in (None, "cpu"):
+        cpu = dtype
+    if device_type in (None, "cuda"):
+        cuda = dtype
+    return policy_for(cpu, cuda, cache_enabled)
 
 
 class WeightCastCache:

@@ -255,7 +255,7 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     if properties.patch_torch_functions:
         amp_state.torch_patches.acquire()
         ledger.add_undo("torch patches", amp_state.torch_patches.release)
-        ThreadState.policy = policy_for(properties.dtype)
+        ThreadState.policy = policy_for(properties.dtype, properties.dtype)
         ledger.add_undo("O1 policy", lambda: setattr(ThreadState, "policy", None))
 
 
@@ -264,7 +264,8 @@ def deinitialize():
 
     Every patched torch attribute is the original object again, model hooks are removed,
     optimizers are plain optimizers again, and O2 models get their FP32 weights back from the
-    masters. Afterwards `amp.initialize` may be called again. A no-op when amp is not initialized.
+    masters. Afterwards `amp.initialize` may be called again. Without `initialize` it removes the
+    patches that `amp.autocast` regions left installed (an open region keeps them until it exits).
     """
     with amp_state.lock:
         ledger = amp_state.ledger
@@ -274,6 +275,7 @@ def deinitialize():
                 ledger.restore()
         finally:
             amp_state.reset()
+            amp_state.torch_patches.drop()
 
 
 def _check_initialized(caller):

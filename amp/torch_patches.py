@@ -1,14 +1,17 @@
-"""The O1 patch set: torch functions and Tensor methods wrapped from amp/lists and registrations.
+"""The patch set: torch functions and Tensor methods wrapped from amp/lists and registrations, and
+torch's autocast surface (amp/torch_autocast.py).
 
-O1 and autocast regions share it. It is installed while anyone needs it (an O1 `initialize`, or
-any thread inside an enabled autocast region) and removed when the last user lets go, so outside
-those every torch attribute is the original object. Replacement functions are built once and
-reused, which makes entering a region after the first a matter of `setattr`s.
+O1 and autocast regions share it. It is installed when amp first casts (an O1 `initialize`, or
+the first region) and stays installed, so a region costs a state change rather than hundreds of
+`setattr`s; outside amp's casting every wrapper calls its original at once. `amp.deinitialize()`
+removes it (when the last open region exits, if one is open), after which every torch attribute
+is the original object again. Replacement functions are built once and reused.
 """
 
+import functools
 import logging
 
-from . import lists
+from . import lists, torch_autocast
 from ._state import amp_state
 from .patching import PatchLedger
 from .wrappers import make_wrapper
@@ -18,7 +21,8 @@ logger = logging.getLogger("amp")
 
 class TorchPatches:
     def __init__(self):
-        self._users = 0
+        self._users = 0  # open regions and O1 initializations holding the patches now
+        self._kept = False  # installed by an earlier user: stays until drop()
         self._ledger = None
         self._built = {}  # (namespace object id, name) -> AttributePatch, reused across installs
         self._plan_cache = None
@@ -27,20 +31,35 @@ class TorchPatches:
     def installed(self):
         return self._ledger is not None
 
+    @property
+    def users(self):
+        return self._users
+
     def acquire(self):
         with amp_state.lock:
-            if self._users == 0:
+            if self._ledger is None:
                 self._install()
             self._users += 1
+            self._kept = True
 
     def release(self):
         with amp_state.lock:
             if self._users <= 0:
                 raise RuntimeError("amp's torch patches were released more often than acquired")
             self._users -= 1
-            if self._users == 0:
-                ledger, self._ledger = self._ledger, None
-                ledger.restore()
+            if self._users == 0 and not self._kept:
+                self._uninstall()
+
+    def drop(self):
+        """Remove the patches now, or when the last user releases them."""
+        with amp_state.lock:
+            self._kept = False
+            if self._users == 0 and self._ledger is not None:
+                self._uninstall()
+
+    def _uninstall(self):
+        ledger, self._ledger = self._ledger, None
+        ledger.restore()
 
     def refresh(self):
         """Rebuild after a registration changed the plan; a no-op when nothing is installed."""
@@ -58,7 +77,7 @@ class TorchPatches:
         self._plan_cache = None
 
     def _plan(self):
-        """(namespace object, name, kind, message, display name) for every patch to install."""
+        """(namespace object, name, make_replacement) for every patch to install."""
         if self._plan_cache is None:
             self._plan_cache = self._make_plan()
         return self._plan_cache
@@ -78,7 +97,15 @@ class TorchPatches:
         for (namespace, name), kind in registered.items():
             display = f"{getattr(namespace, '__name__', type(namespace).__name__)}.{name}"
             plan.append((namespace, name, kind, None, display))
-        return self._without_delegates(plan, overridden)
+        wrapped = [
+            (
+                namespace,
+                name,
+                functools.partial(make_wrapper, kind=kind, name=display, message=message),
+            )
+            for namespace, name, kind, message, display in self._without_delegates(plan, overridden)
+        ]
+        return wrapped + torch_autocast.patches()
 
     @staticmethod
     def _without_delegates(plan, registered):
@@ -101,15 +128,11 @@ class TorchPatches:
             if not stale and len(self._built) == len(plan):
                 self._ledger = ledger  # every replacement was built before and is back in place
                 return
-            for namespace, name, kind, message, display in plan:
+            for namespace, name, make_replacement in plan:
                 key = (id(namespace), name)
                 built = self._built.get(key)
                 if built is not None and id(built) not in stale:
                     continue
-
-                def make_replacement(original, kind=kind, display=display, message=message):
-                    return make_wrapper(original, kind, display, message)
-
                 self._built[key] = ledger.patch(namespace, name, make_replacement)
         except BaseException:
             ledger.restore()

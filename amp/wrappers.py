@@ -24,6 +24,9 @@ SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequenc
 BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
 
 _Tensor = torch.Tensor
+_dtype = torch.dtype
+_float32 = torch.float32
+is_compiling = torch.compiler.is_compiling
 
 
 def _cast_arguments(convert, args, kwargs):
@@ -116,6 +119,54 @@ _FAST_CONVERTERS = {
 }
 
 
+def _traceable_cast(values, target_of):
+    """`values` as a list with each tensor cast to `target_of(tensor)` (None: kept), looking
+    inside lists and tuples. The torch.compile path: plain code Dynamo traces into the graph."""
+    cast = []
+    for value in values:
+        if isinstance(value, _Tensor):
+            target = target_of(value)
+            cast.append(value if target is None else value.to(target))
+        elif isinstance(value, SEQUENCES):
+            cast.append(type(value)(_traceable_cast(value, target_of)))
+        else:
+            cast.append(value)
+    return cast
+
+
+def compiled_call(original, kind, name, message, policy, args, kwargs):
+    """The patched call as torch.compile traces it: the same casts as eager, without the weight
+    cache (the compiled graph makes each cast once) and without amp.trace records."""
+    if kwargs.get("out") is not None or kwargs.get("dtype") is not None:
+        return original(*args, **kwargs)
+    if any(isinstance(value, _dtype) for value in args):
+        return original(*args, **kwargs)
+    values = list(args) + list(kwargs.values())
+    found = _floating_dtypes(values, policy, set())
+    if kind == BANNED:
+        if found & LOW_PRECISION:
+            raise NotImplementedError(message or f"amp refuses to run {name} in low precision.")
+        return original(*args, **kwargs)
+    if kind == LOWER_PRECISION:
+
+        def target_of(tensor):
+            target = policy.target_for(tensor)
+            return target if tensor.dtype in CASTABLE and tensor.dtype != target else None
+
+    else:
+        if kind == SEQUENCE_PROMOTE:
+            found = _floating_dtypes(args[:1] or values, policy, set())
+        if kind in (PROMOTE, SEQUENCE_PROMOTE) and len(found) < 2:
+            return original(*args, **kwargs)
+
+        def target_of(tensor):
+            low = tensor.dtype in LOW_PRECISION and policy.target_for(tensor) is not None
+            return _float32 if low else None
+
+    cast = _traceable_cast(values, target_of)
+    return original(*cast[: len(args)], **dict(zip(kwargs, cast[len(args) :])))
+
+
 def make_wrapper(original, kind, name, message=None):
     """A replacement for `original` that applies the casting policy `kind` when amp is casting.
 
@@ -132,6 +183,8 @@ def make_wrapper(original, kind, name, message=None):
             if thread.trace is None:
                 return original(*args, **kwargs)
             return traced_call(original, name, kind, None, None, args, kwargs)
+        if is_compiling():  # constant under Dynamo, so this branch costs nothing compiled
+            return compiled_call(original, kind, name, message, policy, args, kwargs)
         if not kwargs and converter_of is not None and thread.trace is None:
             # The common call, kept short: it runs for every patched op of a model.
             try:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import amp
-from amp import lists
+from amp import lists, torch_autocast
 from amp._state import ThreadState, amp_state
 
 HAS_CUDA = torch.cuda.is_available()
@@ -42,6 +42,8 @@ def _patchable_attributes():
     for entry in lists.entries():
         namespace = lists.resolve_namespace(entry.namespace)
         found[(entry.namespace, entry.name)] = vars(namespace).get(entry.name)
+    for namespace, name, _ in torch_autocast.patches():  # torch's autocast surface
+        found[(namespace.__name__, name)] = vars(namespace).get(name)
     return found
 
 
@@ -51,12 +53,18 @@ def no_amp_leak():
     before = _patchable_attributes()
     registrations = dict(amp_state.user_registrations)
     yield
+    problems = []
+    if amp_state.torch_patches.users:
+        problems.append("an autocast region or O1 still holds amp's torch patches")
+    # Regions leave the patches installed until amp.deinitialize(); it must restore every
+    # attribute by identity.
+    if not amp_state.initialized:
+        amp_state.torch_patches.drop()
     leaked = [
         f"{namespace}.{name}"
         for (namespace, name), value in _patchable_attributes().items()
         if value is not before[(namespace, name)]
     ]
-    problems = []
     if leaked:
         problems.append(f"test leaked amp patches: {', '.join(leaked[:10])}")
     if amp_state.initialized:

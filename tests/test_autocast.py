@@ -232,11 +232,19 @@ def test_nesting_restores_the_outer_region():
         assert torch.mm(x, x).dtype is torch.bfloat16
 
 
-def test_torch_is_pristine_outside_regions():
-    original = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear
+def test_patches_stay_between_regions_and_deinitialize_restores_torch():
+    original = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear, torch.autocast.__enter__
+    x = torch.randn(3, 3)
     with amp.autocast():
         assert torch.mm is not original[0]
-    assert (torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear) == original
+    # Installed until amp.deinitialize(), so the next region is cheap; outside a region every
+    # patched call runs its original untouched.
+    assert torch.mm is not original[0]
+    assert torch.mm(x, x).dtype is torch.float32
+    assert torch.mm(x, x).equal(original[0](x, x))
+    amp.deinitialize()
+    current = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear, torch.autocast.__enter__
+    assert all(now is then for now, then in zip(current, original))
     assert "mm" not in vars(torch.Tensor)
 
 
@@ -247,7 +255,8 @@ def test_exceptions_restore_state():
             with amp.disable_casts():
                 raise ZeroDivisionError("from inside both regions")
     assert torch.mm(x, x).dtype is torch.float32
-    assert not amp_state.torch_patches.installed
+    assert amp_state.torch_patches.users == 0
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_decorator_form_and_validation():
@@ -258,7 +267,7 @@ def test_decorator_form_and_validation():
     assert product(torch.randn(2, 2)).dtype is torch.bfloat16
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
         amp.autocast(dtype=torch.float32)
-    with pytest.raises(ValueError, match="device_type"):
+    with pytest.raises(RuntimeError, match="device_type"):  # torch's exception type
         amp.autocast(device_type="tpu")
     with pytest.raises(TypeError, match="callable"):
         amp.autocast()(3)

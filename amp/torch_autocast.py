@@ -1,0 +1,135 @@
+"""PyTorch's autocast surface, answered from amp's state: one truth in both directions.
+
+While amp's patches are installed, the Python functions through which PyTorch and libraries ask
+about autocast (`torch.is_autocast_enabled`, `torch.get_autocast_dtype`, ...) report amp's casting
+state in the calling thread, and `torch.autocast` regions on cpu/cuda are amp regions. So
+`torch.utils.checkpoint` recomputes under the state the forward saw, `torch.amp.custom_fwd` turns
+amp's casting off for its body, `RNNBase.check_input` accepts low-precision inputs, and
+`torch.autocast(enabled=False)` islands run in FP32, all decided by amp's tables. torch's own
+(dispatcher-level) autocast stays off, so backward is never autocast and an op runs once, as amp
+decides. In a thread where amp has said nothing (no region, no O1), the originals answer.
+"""
+
+import functools
+
+from ._state import ThreadState, amp_state
+from .autocast import enter_region, exit_region
+from .casts import DEVICE_TYPES
+from .patching import ORIGINAL_ATTRIBUTE
+
+_thread = amp_state.thread
+
+
+def _amp_policy():
+    """(amp decides in this thread, its policy): a region set the policy here, or O1 did for
+    every thread."""
+    policy = _thread.policy
+    if policy is not None:
+        return True, policy
+    return "policy" in _thread.__dict__ or ThreadState.policy is not None, None
+
+
+def _reader(original, answer):
+    """A replacement for torch reader `original`: `answer(policy, *args, **kwargs)` where amp
+    decides (NotImplemented falls back to the original), the original elsewhere."""
+
+    @functools.wraps(original)
+    def read(*args, **kwargs):
+        decides, policy = _amp_policy()
+        if decides:
+            result = answer(policy, *args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return original(*args, **kwargs)
+
+    return _mark(read, original)
+
+
+def _mark(replacement, original):
+    setattr(replacement, ORIGINAL_ATTRIBUTE, original)
+    return replacement
+
+
+def _enabled(policy, device_type="cuda"):
+    # torch.is_autocast_enabled() without a device asks about CUDA (its deprecated form).
+    if device_type not in DEVICE_TYPES:
+        return NotImplemented
+    return policy is not None and policy.dtype_for(device_type) is not None
+
+
+def _dtype(policy, device_type):
+    dtype = policy.dtype_for(device_type) if policy is not None else None
+    return NotImplemented if dtype is None else dtype  # off there: torch's stored dtype
+
+
+def _cache_enabled(policy):
+    return NotImplemented if policy is None else policy.cache_enabled
+
+
+def _any_enabled(policy):
+    return policy is not None
+
+
+def _cpu_enabled(policy):
+    return _enabled(policy, "cpu")
+
+
+def _cpu_dtype(policy):
+    return _dtype(policy, "cpu")
+
+
+def _gpu_dtype(policy):
+    return _dtype(policy, "cuda")
+
+
+def _enter(original):
+    @functools.wraps(original)
+    def __enter__(self):
+        if self.device not in DEVICE_TYPES:
+            return original(self)
+        dtype = self.fast_dtype if self._enabled else None
+        token = enter_region(self.device, dtype, self._cache_enabled)
+        self.__dict__.setdefault("_amp_regions", []).append(token)
+        return self
+
+    return _mark(__enter__, original)
+
+
+def _exit(original):
+    @functools.wraps(original)
+    def __exit__(self, exc_type, exc_value, traceback):
+        regions = self.__dict__.get("_amp_regions")
+        if not regions:  # entered before amp's patches were installed: torch's own region
+            return original(self, exc_type, exc_value, traceback)
+        exit_region(regions.pop())
+        return False
+
+    return _mark(__exit__, original)
+
+
+_READERS = {
+    "is_autocast_enabled": _enabled,
+    "get_autocast_dtype": _dtype,
+    "is_autocast_cache_enabled": _cache_enabled,
+    "is_autocast_cpu_enabled": _cpu_enabled,
+    "get_autocast_cpu_dtype": _cpu_dtype,
+    "get_autocast_gpu_dtype": _gpu_dtype,
+}
+
+
+def patches():
+    """(namespace, name, make_replacement) for every attribute of torch's autocast surface."""
+    import torch
+
+    found = [
+        (torch, name, functools.partial(_reader, answer=answer))
+        for name, answer in _READERS.items()
+        if hasattr(torch, name)
+    ]
+    found.append(
+        (torch._C, "_is_any_autocast_enabled", functools.partial(_reader, answer=_any_enabled))
+    )
+    autocast_class = torch.amp.autocast_mode.autocast
+    found.append((autocast_class, "__enter__", _enter))
+    found.append((autocast_class, "__exit__", _exit))
+    return found
