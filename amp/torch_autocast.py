@@ -12,17 +12,23 @@ decides. In a thread where amp has said nothing (no region, no O1), the original
 
 import functools
 
+import torch
+
 from ._state import ThreadState, amp_state
 from .autocast import enter_region, exit_region
 from .casts import DEVICE_TYPES
 from .patching import ORIGINAL_ATTRIBUTE
 
 _thread = amp_state.thread
+_is_compiling = torch.compiler.is_compiling
 
 
 def _amp_policy():
     """(amp decides in this thread, its policy): a region set the policy here, or O1 did for
-    every thread."""
+    every thread. While torch.compile compiles, torch's own state answers: Dynamo saves and
+    restores the global autocast state around tracing with torch's setters."""
+    if _is_compiling():
+        return False, None
     policy = _thread.policy
     if policy is not None:
         return True, policy
@@ -85,7 +91,7 @@ def _gpu_dtype(policy):
 def _enter(original):
     @functools.wraps(original)
     def __enter__(self):
-        if self.device not in DEVICE_TYPES:
+        if self.device not in DEVICE_TYPES or _is_compiling():
             return original(self)
         dtype = self.fast_dtype if self._enabled else None
         token = enter_region(self.device, dtype, self._cache_enabled)
@@ -119,8 +125,6 @@ _READERS = {
 
 def patches():
     """(namespace, name, make_replacement) for every attribute of torch's autocast surface."""
-    import torch
-
     found = [
         (torch, name, functools.partial(_reader, answer=answer))
         for name, answer in _READERS.items()
