@@ -119,6 +119,7 @@ def test_documented_differences_are_real():
         assert F.pad(torch.randn(8, 8, 8, dtype=torch.bfloat16), (3, 3), mode="reflect").dtype is (
             torch.bfloat16
         )
+    amp.deinitialize()  # torch.autocast is amp's region while amp's patches are installed
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert F.binary_cross_entropy(x, x).dtype is torch.float32
         padded = torch._C._nn.reflection_pad1d(torch.randn(8, 8, 8, dtype=torch.bfloat16), (3, 3))
