@@ -1,8 +1,13 @@
-"""A small transformer training step: FP32 vs torch.autocast + torch.amp.GradScaler vs amp O1.
+"""A small transformer training step: FP32 vs torch.autocast + torch.amp.GradScaler vs amp O1 vs
+amp.autocast + amp.GradScaler, eager or under torch.compile.
 
     python benchmarks/o1_transformer.py [--dtype bfloat16|float16] [--device cpu|cuda] [--steps N]
-                                        [--rounds N] [--clock wall|cpu]
+                                        [--rounds N] [--clock wall|cpu] [--compile]
                                         [--width N] [--batch N] [--length N] [--layers N]
+
+With --compile every variant steps the same `torch.compile`d model (one graph per variant, made in
+the warm-up round), so the ratio to torch.autocast is torch.compile + amp against torch.compile +
+torch.autocast.
 
 The three variants run in the same process, in rounds whose order rotates (the first variant of a
 round runs a few percent slower here), on one model, one optimizer and the same data; the table
@@ -82,6 +87,16 @@ def step_torch(model, optimizer, tokens, targets, context):
     scaler.update()
 
 
+def step_amp_autocast(model, optimizer, tokens, targets, context):
+    dtype, scaler, _ = context
+    optimizer.zero_grad(set_to_none=True)
+    with amp.autocast(dtype=dtype):
+        loss = loss_fn(model, tokens, targets)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def step_amp(model, optimizer, tokens, targets, _):
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model, tokens, targets)
@@ -107,7 +122,7 @@ def time_steps(step, model, optimizer, data, context, sync, clock):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def run(dtype, device, steps, rounds, clock, sizes):
+def run(dtype, device, steps, rounds, clock, sizes, compiled=False):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     clock = CLOCKS[clock]
     data = batches(device, steps, sizes)
@@ -116,20 +131,31 @@ def run(dtype, device, steps, rounds, clock, sizes):
     # as much as the differences measured.
     model, optimizer = make(device, sizes)
     scaler = torch.amp.GradScaler(device)
+    amp_scaler = amp.GradScaler()
+    # The optimizer holds `model`'s parameters, which the compiled module shares.
+    stepped = torch.compile(model) if compiled else model
 
     def run_amp():
         amp.initialize(model, optimizer, opt_level="O1", dtype=dtype, verbosity=0)
         try:
-            return time_steps(step_amp, model, optimizer, data, None, sync, clock)
+            return time_steps(step_amp, stepped, optimizer, data, None, sync, clock)
         finally:
             amp.deinitialize()
 
+    def run_amp_autocast():
+        try:
+            context = (dtype, amp_scaler, device)
+            return time_steps(step_amp_autocast, stepped, optimizer, data, context, sync, clock)
+        finally:
+            amp.deinitialize()  # torch.autocast is amp's region while amp's patches stay
+
     variants = {
-        "fp32": lambda: time_steps(step_fp32, model, optimizer, data, None, sync, clock),
+        "fp32": lambda: time_steps(step_fp32, stepped, optimizer, data, None, sync, clock),
         "torch.autocast": lambda: time_steps(
-            step_torch, model, optimizer, data, (dtype, scaler, device), sync, clock
+            step_torch, stepped, optimizer, data, (dtype, scaler, device), sync, clock
         ),
         "amp O1": run_amp,
+        "amp.autocast": run_amp_autocast,
     }
     times = interleaved_rounds(variants, rounds)
     # The median step: this 2-core machine is shared, and single steps are hit by outside noise.
@@ -168,6 +194,7 @@ def main(argv=None):
         default="wall",
         help="wall: elapsed time; cpu: CPU time of one thread, torch on one thread (CPU only)",
     )
+    parser.add_argument("--compile", action="store_true", help="step a torch.compile'd model")
     for name, default in SIZES.items():
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)
@@ -178,7 +205,7 @@ def main(argv=None):
         torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     medians, ratios, differences = run(
-        dtype, args.device, args.steps, args.rounds, args.clock, sizes
+        dtype, args.device, args.steps, args.rounds, args.clock, sizes, args.compile
     )
     rows = [
         {
@@ -192,6 +219,7 @@ def main(argv=None):
         for name, seconds in medians.items()
     ]
     print_table(
+        f"{'compiled ' if args.compile else ''}"
         f"transformer training step ({sizes['layers']} layers, width {sizes['width']}, "
         f"batch {sizes['batch']}x{sizes['length']}), "
         f"{args.dtype} on {args.device}, {args.clock} clock, "

@@ -4,9 +4,11 @@
     python benchmarks/run_all.py --quick    # fewer rounds (a smoke run)
 
 Rows (a ratio below 1.00 means amp is faster):
-  O1 transformer step      amp O1 / torch.autocast + torch.amp.GradScaler, and / FP32
+  O1 transformer step      amp O1 (and amp.autocast + amp.GradScaler) / torch.autocast +
+                           torch.amp.GradScaler, and / FP32; eager and under torch.compile
   loss scaling + step      amp scale_loss + step / torch.amp.GradScaler, 300 parameter tensors
-  per-call overhead        a patched F.linear call / torch.autocast's; an autocast region enter + exit
+  per-call overhead        a patched F.linear call / torch.autocast's; an autocast region enter +
+                           exit / torch.autocast's; a patched call outside any region / the original
   kernels                  amp.kernels / torch's ops (unscale, copies, norm), and on a GPU the
                            large unscale's bandwidth as a fraction of the datasheet's
 The individual scripts print their own detailed tables first.
@@ -30,18 +32,14 @@ import amp  # noqa: E402
 
 
 def per_call(device, dtype):
-    """Median cost of one patched F.linear call and of one empty region, amp vs torch."""
+    """Best cost of one patched F.linear call, of one empty region, and of a patched call outside
+    any region, amp vs torch."""
     linear = torch.nn.Linear(64, 64).to(device)
     x = torch.randn(16, 64, device=device)
     number = 2000
 
     def best(fn):
         return min(timeit.repeat(fn, number=number, repeat=7)) / number
-
-    with torch.autocast(device, dtype=dtype):
-        torch_call = best(lambda: F.linear(x, linear.weight, linear.bias))
-    with amp.autocast(dtype=dtype):
-        amp_call = best(lambda: F.linear(x, linear.weight, linear.bias))
 
     def torch_region():
         with torch.autocast(device, dtype=dtype):
@@ -51,6 +49,18 @@ def per_call(device, dtype):
         with amp.autocast(dtype=dtype):
             pass
 
+    amp.deinitialize()  # torch's own autocast: while amp's patches stay, torch.autocast is amp's
+    with torch.autocast(device, dtype=dtype):
+        torch_call = best(lambda: F.linear(x, linear.weight, linear.bias))
+    torch_region_time = best(torch_region)
+    original = F.linear
+    with amp.autocast(dtype=dtype):
+        amp_call = best(lambda: F.linear(x, linear.weight, linear.bias))
+    amp_region_time = best(amp_region)
+    # Outside any region (the patches stay installed between regions): the wrapper vs torch's.
+    outside = best(lambda: F.linear(x, linear.weight, linear.bias))
+    plain = best(lambda: original(x, linear.weight, linear.bias))
+    amp.deinitialize()
     return [
         {
             "benchmark": "per-call overhead",
@@ -62,9 +72,17 @@ def per_call(device, dtype):
         {
             "benchmark": "per-call overhead",
             "case": "region enter + exit",
-            "amp": best(amp_region),
-            "torch": best(torch_region),
-            "amp / torch": best(amp_region) / best(torch_region),
+            "amp": amp_region_time,
+            "torch": torch_region_time,
+            "amp / torch": amp_region_time / torch_region_time,
+        },
+        {
+            "benchmark": "per-call overhead",
+            "case": "F.linear outside any region",
+            "amp": outside,
+            "torch": plain,
+            "amp / torch": outside / plain,
+            "amp - torch": outside - plain,
         },
     ]
 
@@ -79,17 +97,21 @@ def main(argv=None):
 
     dtypes = ["bfloat16", "float16"] if device == "cuda" else ["bfloat16"]
     for dtype in dtypes:
-        results = o1_transformer.main(["--dtype", dtype, "--device", device] + rounds)
-        summary.append(
-            {
-                "benchmark": "O1 transformer step",
-                "case": dtype,
-                "amp": results["amp O1"]["time"],
-                "torch": results["torch.autocast"]["time"],
-                "amp / torch": results["amp O1"]["/ torch.autocast"],
-                "amp / fp32": results["amp O1"]["time"] / results["fp32"]["time"],
-            }
-        )
+        # Compiling four variants takes minutes: a quick run leaves the compiled rows out.
+        for compiled in ([], ["--compile"])[: 1 if args.quick else 2]:
+            options = ["--dtype", dtype, "--device", device] + rounds + compiled
+            results = o1_transformer.main(options)
+            for variant in ("amp O1", "amp.autocast"):
+                summary.append(
+                    {
+                        "benchmark": "transformer step" + (", compiled" if compiled else ""),
+                        "case": f"{variant}, {dtype}",
+                        "amp": results[variant]["time"],
+                        "torch": results["torch.autocast"]["time"],
+                        "amp / torch": results[variant]["/ torch.autocast"],
+                        "amp / fp32": results[variant]["time"] / results["fp32"]["time"],
+                    }
+                )
 
     medians = scaler_benchmark.main(["--device", device] + rounds)
     floor = medians["plain"]
@@ -128,11 +150,12 @@ def main(argv=None):
             "amp",
             "torch",
             "amp / torch",
+            "amp - torch",
             "amp / fp32",
             "overhead / torch's",
             "of bandwidth",
         ],
-        time_columns=("amp", "torch"),
+        time_columns=("amp", "torch", "amp - torch"),
     )
     return summary
 

@@ -16,5 +16,5 @@ def test_run_all_quick_prints_the_summary():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("summary on") :]
-    for row in ("O1 transformer step", "loss scaling + step", "per-call overhead", "kernels"):
+    for row in ("transformer step", "loss scaling + step", "per-call overhead", "kernels"):
         assert row in summary
