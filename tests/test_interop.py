@@ -470,3 +470,51 @@ def test_wrappers_answer_natively_while_compiling(monkeypatch):
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
         assert torch.is_autocast_enabled("cpu")
     assert amp_state.torch_patches.users == 0
+
+
+@pytest.mark.slow
+def test_disable_casts_inside_a_compiled_function():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def both(x):
+        with amp.disable_casts():
+            kept = torch.mm(x, x)
+        return torch.mm(x, x), kept
+
+    compiled = torch.compile(both, fullgraph=True)
+    x = torch.randn(8, 8)
+    with amp.autocast(dtype=torch.bfloat16):
+        for _ in range(2):
+            cast, kept = compiled(x)
+    assert (cast.dtype, kept.dtype) == (torch.bfloat16, torch.float32)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+# -- CUDA (run where a GPU is lent) ------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@LOW
+def test_cuda_islands_readers_and_checkpoint(dtype):
+    a = torch.randn(8, 8, device="cuda")
+    with amp.autocast("cuda", dtype=dtype):
+        assert torch.is_autocast_enabled("cuda") and not torch.is_autocast_enabled("cpu")
+        assert torch.mm(a, a).dtype is dtype
+        assert torch.mm(a.cpu(), a.cpu()).dtype is torch.float32
+        with torch.autocast("cuda", enabled=False):
+            assert torch.mm(a, a).dtype is torch.float32
+    model = _net().cuda()
+    x = torch.randn(4, 16, device="cuda", requires_grad=True)
+    grads = []
+    for run in (lambda: model(x), lambda: checkpoint(model, x, use_reentrant=False)):
+        model.zero_grad()
+        x.grad = None
+        with amp.autocast("cuda", dtype=dtype):
+            loss = run().float().square().sum()
+        loss.backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(want, have) for want, have in zip(*grads))
