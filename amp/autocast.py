@@ -77,7 +77,6 @@ def exit_region(token):
         amp_state.torch_patches.release()
 
 
-_DEFAULT = object()  # an argument not given
 _AMP_FORM = ("enabled", "dtype", "cache_enabled", "device_type")
 _TORCH_FORM = ("device_type", "dtype", "enabled", "cache_enabled")
 
