@@ -69,6 +69,8 @@ class MasterWeights:
 
     def grad_holders(self):
         """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
+        if not self.master_pairs:
+            return self.plain_params()
         return self.plain_params() + [model_param for model_param, _ in self.master_pairs]
 
     def plain_params(self):
@@ -80,7 +82,7 @@ class MasterWeights:
             masters = {id(master) for _, master in self.master_pairs}
             params = [p for group in groups for p in group["params"] if id(p) not in masters]
             self._plain_cache = (signature, params)
-        return list(params)
+        return params  # shared: callers do not modify it
 
     def forget_param_groups(self):
         self._plain_cache = (None, [])

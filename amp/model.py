@@ -74,7 +74,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     """
     params = parameters_to_cast(model, keep_batchnorm_fp32)
     model_shadows = ModelShadows()
-    by_module = {}
+    by_module = {module: {} for module in model.modules()}
     fp32_of = dict(amp_state.masters)  # id(parameter) -> its FP32 copy; tied weights share one
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, param in module._parameters.items():
@@ -82,20 +82,22 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
                 fp32 = fp32_of.get(id(param))
                 if fp32 is None:
                     fp32 = fp32_of[id(param)] = new_master(param)
-                by_module.setdefault(module, {})[name] = Shadow(module, name, True, fp32)
+                by_module[module][name] = Shadow(module, name, True, fp32)
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
-                by_module.setdefault(module, {})[name] = Shadow(module, name, False, buffer)
+                by_module[module][name] = Shadow(module, name, False, buffer)
     for by_name in by_module.values():
         model_shadows.shadows.extend(by_name.values())
 
     def undo():
         model_shadows.sync()
+        fp32_of = {id(s.current()): s.fp32 for s in model_shadows.shadows if s.is_param}
         with torch.no_grad():
             for param in params:
+                amp_state.shadows.pop(id(param), None)
                 if param.dtype is not torch.float32:
-                    shadow = amp_state.shadows.pop(id(param), None)
-                    param.data = shadow.fp32.data if shadow is not None else param.data.float()
+                    fp32 = fp32_of.get(id(param))
+                    param.data = fp32.data if fp32 is not None else param.data.float()
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
             for shadow in model_shadows.shadows:
@@ -163,18 +165,16 @@ def cast_forward(model, input_dtype, output_dtype, ledger):
 
 def _register_state_dict_hooks(model, model_shadows, by_module, ledger):
     """Make `state_dict()` FP32 (and live) at every level and `load_state_dict` fill the shadows."""
-    handle = model.register_forward_pre_hook(SyncBeforeForward(model_shadows), prepend=True)
-    ledger.add_hook(handle, "shadow sync hook")
+    hook = SyncBeforeForward(model_shadows, by_module)
+    ledger.add_hook(model.register_forward_pre_hook(hook, prepend=True), "shadow sync hook")
     for module in model.modules():
-        by_name = by_module.get(module, {})
+        by_name = by_module[module]
         hook = FP32StateDict(model_shadows, by_name)
         if hasattr(module, "register_state_dict_post_hook"):
             handle = module.register_state_dict_post_hook(hook)
         else:  # torch < 2.5
             handle = module._register_state_dict_hook(hook)
         ledger.add_hook(handle, "FP32 state dict hook")
-        if not by_name:
-            continue
         if hasattr(module, "register_load_state_dict_pre_hook"):
             handle = module.register_load_state_dict_pre_hook(LoadIntoShadows(by_name))
         else:  # torch < 2.5

@@ -2,7 +2,9 @@
 
 At O2 every cast parameter has an FP32 shadow (its master weight when an optimizer steps it, an
 FP32 copy when it is frozen), and at O2/O3 every cast floating buffer keeps its FP32 original as
-its shadow. `model.state_dict()` returns the shadows themselves, so that code which updates a
+its shadow. O3 keeps no FP32 copy of its parameters: `state_dict()` makes a transient shadow,
+which lives until the next forward has taken what was written into it. `model.state_dict()`
+returns the shadows themselves, so that code which updates a
 model in place through its state dict (timm's ModelEmaV2/V3 on a `copy.deepcopy` of the model)
 changes what the model computes with: a write into a shadow is copied into the low-precision
 tensor before the next forward. A write into the low-precision tensor (a `param.copy_`,
@@ -21,11 +23,12 @@ from .casts import LOW_PRECISION
 class Shadow:
     """One low-precision tensor (`module`'s parameter or buffer `name`) and its FP32 copy."""
 
-    def __init__(self, module, name, is_param, fp32):
+    def __init__(self, module, name, is_param, fp32, transient=False):
         self.module = module
         self.name = name
         self.is_param = is_param
         self.fp32 = fp32
+        self.transient = transient  # made by a state dict at O3; dropped at the next forward
         self.low = None  # the low-precision tensor last synced
         self.low_version = self.fp32_version = None
         # Only what is seen to have changed is taken from the low-precision side: a write that
@@ -70,21 +73,35 @@ class ModelShadows:
         for shadow in self.shadows:
             shadow.sync()
 
+    def add_transient(self, by_name, name, low, module):
+        shadow = by_name[name] = Shadow(module, name, True, low.detach().float(), transient=True)
+        shadow.mark()
+        self.shadows.append(shadow)
+        return shadow
+
+    def drop_transients(self, by_module):
+        if any(shadow.transient for shadow in self.shadows):
+            for shadow in self.shadows:
+                if shadow.transient:
+                    del by_module[shadow.module][shadow.name]
+            self.shadows = [shadow for shadow in self.shadows if not shadow.transient]
+
 
 class SyncBeforeForward:
     """Forward pre-hook: writes made through a state dict reach the model before it computes."""
 
-    def __init__(self, model_shadows):
+    def __init__(self, model_shadows, by_module):
         self.model_shadows = model_shadows
+        self.by_module = by_module  # module -> {name: Shadow}, shared with the other hooks
 
     def __call__(self, module, args):
         if self.model_shadows.lent:
             self.model_shadows.sync()
+            self.model_shadows.drop_transients(self.by_module)
 
 
 class FP32StateDict:
-    """State-dict post-hook of one module: its low-precision entries as FP32, live where they have
-    a shadow (a copy where they have none: O3 parameters, which keep no FP32 copy)."""
+    """State-dict post-hook of one module: its low-precision entries as FP32 shadows."""
 
     def __init__(self, model_shadows, by_name):
         self.model_shadows = model_shadows
@@ -98,8 +115,10 @@ class FP32StateDict:
                 continue  # absent, kept as a live Parameter (keep_vars=True), or already FP32
             shadow = self.by_name.get(name)
             if shadow is None:
-                state_dict[key] = value.float()
-                continue
+                if name not in module._parameters:
+                    state_dict[key] = value.float()  # a buffer made after initialize
+                    continue
+                shadow = self.model_shadows.add_transient(self.by_name, name, tensor, module)
             shadow.sync()
             state_dict[key] = shadow.fp32.detach()  # shares the version counter: writes show
             self.model_shadows.lent = True
