@@ -44,6 +44,11 @@ class Shadow:
         self.low_version = None if self.low is None else self.low._version
         self.fp32_version = self.fp32._version
 
+    def push(self):
+        """Copy a write into the FP32 side (through a state dict) to the low-precision tensor."""
+        if self.fp32._version != self.fp32_version:
+            self.sync()
+
     def sync(self):
         """Copy a write made since the last sync across; the FP32 side wins a conflict."""
         low = self.current()
@@ -96,7 +101,8 @@ class SyncBeforeForward:
 
     def __call__(self, module, args):
         if self.model_shadows.lent:
-            self.model_shadows.sync()
+            for shadow in self.model_shadows.shadows:
+                shadow.push()
             self.model_shadows.drop_transients(self.by_module)
 
 
