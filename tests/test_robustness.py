@@ -192,6 +192,24 @@ def test_item03_exception_in_a_delay_unscale_block_puts_gradients_back(
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_item03_scaled_gradients_are_never_stepped_or_mixed(trained):
+    model, optimizer = trained("O1", num_losses=2)
+    with amp.scale_loss(loss_of(model, 0), optimizer, delay_unscale=True) as scaled:
+        scaled.backward()
+    before = everything(model, optimizer)
+    with pytest.raises(RuntimeError, match="still scaled.*delay_unscale=False"):
+        optimizer.step()
+    with pytest.raises(RuntimeError, match="scaled by loss scaler 0.*Accumulate with one loss_id"):
+        with amp.scale_loss(loss_of(model, 1), optimizer, loss_id=1) as scaled:
+            scaled.backward()
+    assert_same(before, everything(model, optimizer))
+    with amp.scale_loss(loss_of(model, 1), optimizer) as scaled:
+        with pytest.raises(RuntimeError, match="inside `with amp.scale_loss"):
+            optimizer.step()
+        scaled.backward()
+    optimizer.step()
+
+
 @pytest.mark.parametrize("opt_level", ["O0", "O3"])
 def test_item04_exception_at_o0_and_o3_puts_gradients_back(trained, opt_level):
     model, optimizer = trained(opt_level)
@@ -204,11 +222,13 @@ def test_item04_exception_at_o0_and_o3_puts_gradients_back(trained, opt_level):
     assert_grads_equal(before, grads(model, optimizer))
 
 
-def test_item05_nested_blocks_on_one_optimizer_keep_every_gradient():
+@pytest.mark.parametrize("unskipped", [0, 1999])  # 1999: the inner block doubles the scale
+def test_item05_nested_blocks_on_one_optimizer_keep_every_gradient(unskipped):
     model, reference = make_model(), make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     amp.initialize([model, reference], [optimizer, reference_optimizer], verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": unskipped}})
     try:
         loss_of(model, 9).backward()  # accumulated before the blocks
         loss_of(reference, 9).backward()
