@@ -192,7 +192,7 @@ def assert_tree_equal(x, y):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     loss_scale=st.sampled_from([None, "dynamic"]),
     actions=st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=6),
