@@ -1,5 +1,6 @@
 """The one process-wide state object of amp; nothing else in the package is global."""
 
+import collections.abc
 import logging
 import threading
 
@@ -21,6 +22,39 @@ class ThreadState(threading.local):
     autocast_depth = 0  # autocast regions entered and not yet exited in this thread
 
 
+class Registrations(collections.abc.MutableMapping):
+    """(namespace, name) -> policy kind, with namespaces compared by identity.
+
+    A namespace may be any object with the attribute (a `types.SimpleNamespace`, an instance
+    whose class defines `__eq__`), hashable or not: keys are never hashed as they are.
+    """
+
+    def __init__(self):
+        self._entries = {}  # (id(namespace), name) -> (namespace, name, kind)
+
+    def __getitem__(self, key):
+        namespace, name = key
+        entry = self._entries.get((id(namespace), name))
+        if entry is None or entry[0] is not namespace:
+            raise KeyError(key)
+        return entry[2]
+
+    def __setitem__(self, key, kind):
+        namespace, name = key
+        self._entries[(id(namespace), name)] = (namespace, name, kind)
+
+    def __delitem__(self, key):
+        self[key]  # KeyError if absent
+        namespace, name = key
+        del self._entries[(id(namespace), name)]
+
+    def __iter__(self):
+        return ((namespace, name) for namespace, name, _ in list(self._entries.values()))
+
+    def __len__(self):
+        return len(self._entries)
+
+
 class AmpState:
     def __init__(self):
         self.thread = ThreadState()
@@ -29,7 +63,7 @@ class AmpState:
         # place to look for everything amp keeps between calls.
         self.cast_cache = None
         self.torch_patches = None
-        self.user_registrations = {}  # (module, name) -> policy kind, kept across deinitialize
+        self.user_registrations = Registrations()  # kept across deinitialize
         self.cuda_kernels = None  # amp.kernels.BackendChoice, probed on first use with CUDA
         self.reset()
 
@@ -41,7 +75,7 @@ class AmpState:
         self.models = []
         self.optimizers = []  # optimizer.OptimizerRecord per optimizer, in initialize's order
         self.masters = {}  # id(model parameter) -> its FP32 master (O2)
-        self.master_versions = {}  # id(model parameter) -> its version when amp last wrote it
+        self.shadows = {}  # id(cast model parameter) -> its shadows.Shadow (O2)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
         self.ledger = None  # patching.PatchLedger of the current initialize

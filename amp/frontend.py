@@ -12,6 +12,7 @@ from . import optimizer as optimizer_module
 from . import properties as properties_module
 from ._state import ThreadState, amp_state, logger
 from .casts import policy_for
+from .masters import match_state_to_params
 from .patching import PatchLedger
 from .scaler import LossScaler, check_state
 
@@ -243,15 +244,14 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     ]
     for model in models:
         if cast_dtype is not None and cast_dtype is not torch.float32:
-            model_module.cast_model(model, cast_dtype, keep_bn, ledger)
-            model_module.register_state_dict_hooks(model, ledger)
+            keep_fp32 = bool(properties.master_weights)
+            model_module.cast_model(model, cast_dtype, keep_bn, keep_fp32, ledger)
         if cast_dtype is not None or cast_model_outputs is not None:
             model_module.cast_forward(
                 model, cast_dtype, cast_model_outputs or torch.float32, ledger
             )
-    for optimizer, record in zip(optimizers, amp_state.optimizers):
-        optimizer_module.match_state_to_params(optimizer)  # state made before the model cast
-        record.remember_versions()  # the cast is amp's write
+    for optimizer in optimizers:
+        match_state_to_params(optimizer)  # state made before the model cast
     if properties.patch_torch_functions:
         amp_state.torch_patches.acquire()
         ledger.add_undo("torch patches", amp_state.torch_patches.release)
@@ -315,11 +315,13 @@ def load_state_dict(state_dict):
             + ", ".join(f'"{key}"' for key in unexpected)
             + ". "
         )
-    entries = {
-        int(_SCALER_KEY.match(key).group(1)): check_state(key, value)
-        for key, value in state_dict.items()
-    }
     scalers = amp_state.loss_scalers
+    indices = {key: int(_SCALER_KEY.match(key).group(1)) for key in state_dict}
+    # Validate every entry, then write: a load either happens completely or changes nothing.
+    entries = {
+        index: check_state(key, state_dict[key], scalers[index] if index < len(scalers) else None)
+        for key, index in indices.items()
+    }
     if len(entries) != len(scalers):
         warnings.warn(
             f"state_dict contains {len(entries)} entries, while {len(scalers)} loss_scalers are used",

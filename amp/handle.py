@@ -16,6 +16,12 @@ def _records(optimizers):
             "amp.scale_loss: optimizers must be an optimizer or a list of optimizers returned "
             f"by amp.initialize; got {type(optimizers).__name__}."
         )
+    if not optimizers:
+        raise ValueError(
+            "amp.scale_loss: optimizers is empty, so no gradient would be unscaled and the next "
+            "step() would apply scaled gradients. Pass the optimizer(s) owning the parameters "
+            "of this loss."
+        )
     records, seen = [], set()
     for optimizer in optimizers:
         record = vars(optimizer).get("_amp_record") if hasattr(optimizer, "__dict__") else None
@@ -49,7 +55,8 @@ def scale_loss(
     unscaled in place (O2: into the FP32 master gradients), gradients accumulated earlier are
     kept apart meanwhile and added back afterwards, and the new ones are checked for inf/NaN. An
     overflow makes the next ``step()`` of every optimizer passed here a no-op and halves the
-    loss scale. If the block raises, gradients are put back as they were.
+    loss scale. If the block raises, gradients are put back as they were when it opened, at
+    every opt level, with delay_unscale and in nested blocks.
 
     Args:
         loss (Tensor): the loss.
@@ -91,35 +98,41 @@ def scale_loss(
             f"{len(amp_state.loss_scalers) - 1}."
         )
     scaler = amp_state.loss_scalers[loss_id]
+    for record in records:
+        theirs = record.stash.conflict(scaler, delay_unscale)
+        if theirs is not None:
+            raise RuntimeError(
+                f"amp.scale_loss(loss_id={loss_id}): the gradients of this optimizer are scaled "
+                f"by loss scaler {amp_state.loss_scalers.index(theirs)} (an enclosing block, or "
+                "a block with delay_unscale=True), and the sum of gradients scaled by two "
+                "different scales cannot be unscaled. Accumulate with one loss_id, or unscale "
+                "(a block with delay_unscale=False) before changing it."
+            )
     # The forward pass is over. Autograd keeps the weight casts its backward needs and frees each
     # as soon as it has been used; the cache holding them all through backward would only raise
     # the peak memory (and slow the backward's allocations).
     amp_state.cast_cache.clear()
+    entered = []
     try:
-        if scaler.is_identity and not any(record.master_pairs for record in records):
-            yield loss.float()  # nothing to scale or check (O0 and O3 by default)
-            return
-        for record in records:
-            if not record.params_have_scaled_gradients:
-                record.prepare_backward()
         try:
+            for record in records:
+                record.stash.enter(scaler, delay_unscale)
+                entered.append(record)
             yield scaler.scale(loss)
         except BaseException:
-            for record in records:
-                record.discard_backward()
+            for record in entered:
+                record.stash.discard()
             raise
-        if delay_unscale:
-            for record in records:
-                record.params_have_scaled_gradients = True
-            return
-        flag = OverflowFlag(loss.device)
+        flag = None if delay_unscale else OverflowFlag(loss.device)
         for record in records:
-            record.unscale_gradients(scaler, flag)
-            record.params_have_scaled_gradients = False
-        if scaler.dynamic and not delay_overflow_check:
-            _synchronise_across_ranks(flag)
-            scaler.update(flag)
-            for record in records:
-                record.pending.append((loss_id, flag))
+            record.stash.commit(flag)
+        if delay_unscale or not scaler.dynamic or delay_overflow_check:
+            return
+        _synchronise_across_ranks(flag)
+        for record in amp_state.optimizers:  # blocks still open keep the scale they used
+            record.stash.freeze_scale(scaler, flag.tensor.device)
+        scaler.update(flag)
+        for record in records:
+            record.skips.add(loss_id, flag)
     finally:
         amp_state.cast_cache.clear()

@@ -5,12 +5,19 @@ by DataParallel and copies made by `copy.deepcopy` cast too (apex's patched `for
 the original module, NVIDIA/apex#227, #269, #503).
 """
 
-import itertools
-
 import torch
 
 from ._state import amp_state
 from .casts import LOW_PRECISION, cast_tree
+from .masters import new_master
+from .shadows import (
+    FP32StateDict,
+    LoadIntoShadows,
+    MarkLoaded,
+    ModelShadows,
+    Shadow,
+    SyncBeforeForward,
+)
 
 _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 _PARALLEL_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
@@ -56,35 +63,48 @@ def _modules_to_cast(model, keep_batchnorm_fp32):
             yield module
 
 
-def cast_model(model, dtype, keep_batchnorm_fp32, ledger):
+def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     """Cast the FP32 parameters and buffers of `model` to `dtype` (batch norm kept FP32 if asked).
 
-    Parameters keep their identity (their `.data` is swapped). Undo puts FP32 values back: the
-    master weights where the optimizer has them, else the low-precision values upcast (O3 keeps
-    no FP32 copy of its parameters). Buffers are small and often constants (positional tables),
-    so their FP32 originals are kept and come back exactly unless the buffer changed meanwhile.
+    Parameters keep their identity (their `.data` is swapped). Each cast buffer, and each cast
+    parameter when `keep_fp32_params` (O2), gets an FP32 shadow (amp/shadows.py): the parameter's
+    master weight if an optimizer steps it, else an FP32 copy, so that frozen parameters keep
+    their FP32 values too. Undo puts the FP32 values back from the shadows (O3 parameters, which
+    have none, come back upcast).
     """
     params = parameters_to_cast(model, keep_batchnorm_fp32)
-    buffers = []  # (module, name, FP32 original, cast buffer, its version after the cast)
+    model_shadows = ModelShadows()
+    by_module = {module: {} for module in model.modules()}
+    fp32_of = dict(amp_state.masters)  # id(parameter) -> its FP32 copy; tied weights share one
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
+        for name, param in module._parameters.items():
+            if param is not None and param.dtype is torch.float32 and keep_fp32_params:
+                fp32 = fp32_of.get(id(param))
+                if fp32 is None:
+                    fp32 = fp32_of[id(param)] = new_master(param)
+                by_module[module][name] = Shadow(module, name, True, fp32)
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
-                buffers.append([module, name, buffer, None, None])
+                by_module[module][name] = Shadow(module, name, False, buffer)
+    for by_name in by_module.values():
+        model_shadows.shadows.extend(by_name.values())
 
     def undo():
+        model_shadows.sync()
+        fp32_of = {id(s.current()): s.fp32 for s in model_shadows.shadows if s.is_param}
         with torch.no_grad():
             for param in params:
-                master = amp_state.masters.get(id(param))
+                amp_state.shadows.pop(id(param), None)
                 if param.dtype is not torch.float32:
-                    param.data = master.data if master is not None else param.data.float()
+                    fp32 = fp32_of.get(id(param))
+                    param.data = fp32.data if fp32 is not None else param.data.float()
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
-            for module, name, original, cast, version in buffers:
-                current = module._buffers.get(name)
-                if current is cast and current._version == version:
-                    module._buffers[name] = original
-                elif current is not None and current.dtype in LOW_PRECISION:
-                    module._buffers[name] = current.float()
+            for shadow in model_shadows.shadows:
+                if not shadow.is_param:
+                    current = shadow.current()
+                    if current is not None and current.dtype in LOW_PRECISION:
+                        shadow.module._buffers[shadow.name] = shadow.fp32
         _flatten_rnns(model)
 
     ledger.add_undo(f"FP32 weights back into {type(model).__name__}", undo)
@@ -93,11 +113,16 @@ def cast_model(model, dtype, keep_batchnorm_fp32, ledger):
             param.data = param.data.to(dtype)
             if param.grad is not None:
                 param.grad = param.grad.to(dtype)
-        for entry in buffers:
-            module, name, original = entry[:3]
-            cast = module._buffers[name] = original.to(dtype)
-            entry[3:] = [cast, cast._version]
+        for module, by_name in by_module.items():
+            for name, shadow in by_name.items():
+                if not shadow.is_param:
+                    module._buffers[name] = shadow.fp32.to(dtype)
+    for shadow in model_shadows.shadows:
+        shadow.mark()
+        if shadow.is_param:
+            amp_state.shadows[id(shadow.current())] = shadow
     _flatten_rnns(model)
+    _register_state_dict_hooks(model, model_shadows, by_module, ledger)
 
 
 def _flatten_rnns(model):
@@ -107,68 +132,55 @@ def _flatten_rnns(model):
             module.flatten_parameters()
 
 
+class CastInputs:
+    """Forward pre-hook casting floating inputs (a class, so that a model pickles with it)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
+
+
+class CastOutputs:
+    """Forward hook casting floating outputs."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return cast_tree(output, self.dtype)
+
+
 def cast_forward(model, input_dtype, output_dtype, ledger):
     """Cast floating inputs of `model(...)` to `input_dtype` (None: leave) and outputs to `output_dtype`."""
     if input_dtype is not None:
-
-        def cast_inputs(module, args, kwargs):
-            return cast_tree(args, input_dtype), cast_tree(kwargs, input_dtype)
-
         # Appended last so it runs just before forward: the user's pre-hooks see their inputs.
-        handle = model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+        handle = model.register_forward_pre_hook(CastInputs(input_dtype), with_kwargs=True)
         ledger.add_hook(handle, "input cast hook")
-
-    def cast_outputs(module, args, output):
-        return cast_tree(output, output_dtype)
-
     # Prepended so it runs first after forward: the user's forward hooks see cast outputs.
-    handle = model.register_forward_hook(cast_outputs, prepend=True)
+    handle = model.register_forward_hook(CastOutputs(output_dtype), prepend=True)
     ledger.add_hook(handle, "output cast hook")
 
 
-def _fp32_state_dict(module, state_dict, prefix, local_metadata):
-    """State-dict hook: this module's own low-precision entries in FP32, from the masters if any."""
-    for name, tensor in itertools.chain(module._parameters.items(), module._buffers.items()):
-        key = prefix + name
-        value = state_dict.get(key)
-        if value is None or value is tensor or value.dtype not in LOW_PRECISION:
-            continue  # absent, kept as a live Parameter (keep_vars=True), or already FP32
-        master = amp_state.masters.get(id(tensor))
-        state_dict[key] = master.detach() if master is not None else value.float()
-
-
-def _load_into_masters(module, state_dict, prefix, *args):
-    """Load-state-dict pre-hook: full-precision values go into the masters, not only the model."""
-    with torch.no_grad():
-        for name, param in module._parameters.items():
-            master = amp_state.masters.get(id(param)) if param is not None else None
-            value = state_dict.get(prefix + name)
-            if (
-                master is not None
-                and isinstance(value, torch.Tensor)
-                and value.shape == master.shape
-            ):
-                master.copy_(value)
-
-
-def _loaded(module, incompatible_keys):
-    """Load-state-dict post-hook: what was just loaded is amp's own write, not an outside one."""
-    for param in module._parameters.values():
-        if param is not None and id(param) in amp_state.master_versions:
-            amp_state.master_versions[id(param)] = param._version
-
-
-def register_state_dict_hooks(model, ledger):
-    """Make `state_dict()` FP32 at every level and `load_state_dict` refresh the masters."""
+def _register_state_dict_hooks(model, model_shadows, by_module, ledger):
+    """Make `state_dict()` FP32 (and live) at every level and `load_state_dict` fill the shadows."""
+    hook = SyncBeforeForward(model_shadows, by_module)
+    ledger.add_hook(model.register_forward_pre_hook(hook, prepend=True), "shadow sync hook")
     for module in model.modules():
+        by_name = by_module[module]
+        hook = FP32StateDict(model_shadows, by_name)
         if hasattr(module, "register_state_dict_post_hook"):
-            handle = module.register_state_dict_post_hook(_fp32_state_dict)
+            handle = module.register_state_dict_post_hook(hook)
         else:  # torch < 2.5
-            handle = module._register_state_dict_hook(_fp32_state_dict)
+            handle = module._register_state_dict_hook(hook)
         ledger.add_hook(handle, "FP32 state dict hook")
         if hasattr(module, "register_load_state_dict_pre_hook"):
-            handle = module.register_load_state_dict_pre_hook(_load_into_masters)
+            handle = module.register_load_state_dict_pre_hook(LoadIntoShadows(by_name))
         else:  # torch < 2.5
-            handle = module._register_load_state_dict_pre_hook(_load_into_masters, with_module=True)
-        ledger.add_hook(handle, "master weight load hook")
-        ledger.add_hook(module.register_load_state_dict_post_hook(_loaded), "master version hook")
+            handle = module._register_load_state_dict_pre_hook(
+                LoadIntoShadows(by_name), with_module=True
+            )
+        ledger.add_hook(handle, "shadow load hook")
+        handle = module.register_load_state_dict_post_hook(MarkLoaded(by_name))
+        ledger.add_hook(handle, "shadow version hook")

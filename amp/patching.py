@@ -5,13 +5,19 @@ import warnings
 
 import wrapt
 
-# Replacement functions carry their original here, so a second patch of the same attribute is
-# refused and tests can tell amp's functions from torch's.
+# Replacement functions carry their original here, for tests and readers (amp's wrappers set it).
 ORIGINAL_ATTRIBUTE = "__amp_original__"
+
+# id -> replacement, for every replacement a ledger has installed and not undone. amp knows its
+# own patches by identity: an attribute would be copied by a tool that wraps a patched function
+# (functools.wraps copies __dict__, wrapt proxies attribute reads), and the copy would then look
+# like a patch of amp's forever, refusing every later initialize.
+_INSTALLED = {}
 
 
 def is_amp_replacement(obj):
-    return getattr(obj, ORIGINAL_ATTRIBUTE, None) is not None
+    """Whether `obj` is a replacement that amp installed and has not undone."""
+    return _INSTALLED.get(id(obj)) is obj
 
 
 def qualified_name(parent, attribute):
@@ -39,6 +45,8 @@ class AttributePatch:
     owned: bool  # the attribute was in vars(parent) before; else it was inherited or dynamic
 
     def undo(self):
+        if _INSTALLED.get(id(self.replacement)) is self.replacement:
+            del _INSTALLED[id(self.replacement)]
         current = vars(self.parent).get(self.attribute)
         if current is not self.replacement:
             ours = getattr(self.replacement, "__func__", self.replacement)
@@ -92,6 +100,7 @@ class PatchLedger:
     def reapply(self, patch):
         """Install a recorded AttributePatch (again); its replacement object is reused."""
         setattr(patch.parent, patch.attribute, patch.replacement)
+        _INSTALLED[id(patch.replacement)] = patch.replacement
         self._entries.append(patch)
 
     def reapply_all(self, patches):
@@ -104,8 +113,7 @@ class PatchLedger:
         for patch in patches:
             current = vars(patch.parent).get(patch.attribute)
             if current is patch.original if patch.owned else current is None:
-                setattr(patch.parent, patch.attribute, patch.replacement)
-                self._entries.append(patch)
+                self.reapply(patch)
             else:
                 stale.append(patch)
         return stale

@@ -6,6 +6,11 @@ import torch
 
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
+# The smallest normal float32. A dynamic scale never goes below it: 1 / scale stays finite, so a
+# scale that kept halving cannot reach 0 and turn clean gradients into 0 * inf = NaN.
+SCALE_FLOOR = 2.0**-126
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_INT32_MAX = 2**31 - 1
 
 
 class OverflowFlag:
@@ -98,8 +103,7 @@ class LossScaler:
         scale = self._tensors(flag.tensor.device)
         found_inf = flag.tensor.to(scale.device, non_blocking=True)
         torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
-        if self.min_loss_scale is not None or self.max_loss_scale is not None:
-            scale.clamp_(min=self.min_loss_scale, max=self.max_loss_scale)
+        scale.clamp_(min=max(self.min_loss_scale or 0.0, SCALE_FLOOR), max=self.max_loss_scale)
         # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;
         # for any other value it is the correctly rounded one. In-place methods, which amp never
         # patches: its own arithmetic stays out of the user's casts and traces.
@@ -117,9 +121,9 @@ class LossScaler:
         return {"loss_scale": self.loss_scale(), "unskipped": self.unskipped()}
 
     def load_state_dict(self, state):
-        """Load a validated {"loss_scale", "unskipped"} entry (see check_state)."""
-        self._init_scale = float(state["loss_scale"])
-        self._init_unskipped = int(state["unskipped"])
+        """Load an entry validated by `check_state` against this scaler (cannot fail)."""
+        self._init_scale = state["loss_scale"]
+        self._init_unskipped = state["unskipped"]
         self._static_inv = {}
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
@@ -127,8 +131,26 @@ class LossScaler:
             self._unskipped.fill_(self._init_unskipped)
 
 
-def check_state(key, state):
-    """Raise a clear error if `state` is not a loss scaler entry {"loss_scale", "unskipped"}."""
+def _number(key, field, value):
+    """A Python number from `value` (a number or a one-element tensor), or a clear error."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"amp.load_state_dict: {key!r}[{field!r}] is a tensor of shape "
+                f"{tuple(value.shape)}; expected a number (or a one-element tensor)."
+            )
+        value = value.item()
+    return value
+
+
+def check_state(key, state, scaler=None):
+    """The entry `state` ({"loss_scale", "unskipped"}) as it will be stored, or a clear error.
+
+    Every value must fit the float32 / int32 tensors it is written into, so that loading cannot
+    fail half-way. Given the `scaler` it is for, a static scaler accepts only its own scale: a
+    static scale is configuration, and a checkpoint's other value (a dynamic run's 65536 into
+    O3's 1.0) would be applied unchecked.
+    """
     if not isinstance(state, dict):
         raise TypeError(
             f"amp.load_state_dict: entry {key!r} must be a dict with keys 'loss_scale' and "
@@ -137,11 +159,8 @@ def check_state(key, state):
     missing = {"loss_scale", "unskipped"} - set(state)
     if missing:
         raise ValueError(f"amp.load_state_dict: entry {key!r} lacks {sorted(missing)}.")
-    scale, unskipped = state["loss_scale"], state["unskipped"]
-    if isinstance(scale, torch.Tensor):
-        scale = scale.item()
-    if isinstance(unskipped, torch.Tensor):
-        unskipped = unskipped.item()
+    scale = _number(key, "loss_scale", state["loss_scale"])
+    unskipped = _number(key, "unskipped", state["unskipped"])
     if (
         isinstance(scale, bool)
         or not isinstance(scale, (int, float))
@@ -151,9 +170,28 @@ def check_state(key, state):
             f"amp.load_state_dict: {key!r}['loss_scale'] must be a finite positive number; "
             f"got {state['loss_scale']!r}."
         )
+    if not SCALE_FLOOR <= scale <= _FLOAT32_MAX:
+        raise ValueError(
+            f"amp.load_state_dict: {key!r}['loss_scale'] = {scale!r} does not fit a float32 loss "
+            f"scale (from {SCALE_FLOOR!r} to {_FLOAT32_MAX!r}); the checkpoint is damaged."
+        )
     if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
         raise ValueError(
             f"amp.load_state_dict: {key!r}['unskipped'] must be a non-negative int; "
             f"got {state['unskipped']!r}."
         )
-    return {"loss_scale": float(scale), "unskipped": int(unskipped)}
+    if unskipped > _INT32_MAX:
+        raise ValueError(
+            f"amp.load_state_dict: {key!r}['unskipped'] = {unskipped} does not fit the int32 "
+            f"step count (at most {_INT32_MAX}); the checkpoint is damaged."
+        )
+    scale = torch.tensor(scale, dtype=torch.float32).item()  # what the scaler will hold
+    if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:
+        raise ValueError(
+            f"amp.load_state_dict: {key!r} has loss scale {scale}, but this run uses the static "
+            f"loss scale {scaler._init_scale}, which a checkpoint never replaces (it may come "
+            "from a dynamic run). To continue with the checkpoint's scale, call "
+            f"amp.initialize(..., loss_scale='dynamic') or loss_scale={scale}; or leave the amp "
+            "state out of the load."
+        )
+    return {"loss_scale": scale, "unskipped": int(unskipped)}

@@ -1,0 +1,202 @@
+"""The gradient stash of scale_loss: one discipline for every opt level, loss scale and nesting.
+
+Each `scale_loss` block takes the gradients present when it opens (its frame), so that its
+backward writes only its own gradients into `.grad`. When the block exits normally its gradients
+are unscaled, checked for inf/NaN and joined with the ones taken (exactly: kept apart, added
+after unscaling). When it raises, the taken gradients are put back and the block's own dropped:
+an exception after backward leaves no trace.
+
+Outside any block a record's `.grad` are plain gradients, except after a block with
+`delay_unscale=True`: they are then scaled by that block's scaler (`scaled_by`) and the unscaled
+gradients from before are kept apart (`kept`) until a block without delay_unscale unscales the
+scaled sum. A block nested in another on the same optimizer hands its unscaled gradients to the
+enclosing block, which joins them if it exits normally itself.
+
+O2: the master gradients are the unscaled store. New model gradients are unscaled into them and
+dropped from the model; a sparse model gradient gives a sparse master gradient.
+"""
+
+import operator
+
+import torch
+
+from . import kernels
+from .masters import add_to_master_grad
+
+_grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
+
+
+def _take(params):
+    """[(param, grad)] for the params holding a gradient, which they no longer do."""
+    grads = list(map(_grad, params))
+    if grads.count(None) == len(grads):  # the usual case after zero_grad(set_to_none=True)
+        return []
+    taken = [(param, grad) for param, grad in zip(params, grads) if grad is not None]
+    for param, _ in taken:
+        param.grad = None
+    return taken
+
+
+def _unscalable(param, grad):
+    """The tensor to unscale in place for `grad`: a sparse gradient's values (FP16 coalesced
+    first, as torch.amp.GradScaler does: summing duplicate indices of scaled values could
+    overflow), a complex gradient as its real view (the unscale kernels take real tensors)."""
+    if grad.is_sparse:
+        if grad.dtype is torch.float16:
+            param.grad = grad = grad.coalesce()
+        grad = grad._values()
+    if grad.is_complex():
+        grad = torch.view_as_real(grad)
+    return grad
+
+
+def _join(pairs):
+    """param.grad = its current gradient + grad for each (param, grad), as autograd adds."""
+    new, kept = [], []
+    for param, grad in pairs:
+        current = param.grad
+        if current is None:
+            param.grad = grad
+        elif current.is_sparse or grad.is_sparse or current.dtype != grad.dtype:
+            param.grad = current + grad
+        else:
+            new.append(current)
+            kept.append(grad)
+    if new:
+        torch._foreach_add_(new, kept)  # new + kept == kept + new, bit for bit
+
+
+class _Frame:
+    __slots__ = ("scaler", "delay", "taken", "done", "inv")
+
+    def __init__(self, scaler, delay, taken):
+        self.scaler = scaler
+        self.delay = delay
+        self.taken = taken  # the gradients present when the block opened
+        self.done = []  # unscaled (param, grad) from blocks nested in this one
+        self.inv = None  # 1/scale this block's loss was scaled with, if the scale changed since
+
+
+class GradientStash:
+    """The scale_loss frames of one optimizer (an OptimizerRecord)."""
+
+    def __init__(self, record):
+        self.record = record
+        self.frames = []
+        self.kept = []  # unscaled (param, grad) kept apart while `.grad` hold scaled ones
+        self.scaled_by = None  # the LossScaler whose scale `.grad` hold, after delay_unscale
+
+    def conflict(self, scaler, delay_unscale):
+        """The scaler whose scaled gradients this block would have to add its own to, if it is
+        not `scaler` (their sum would mix two scales); else None. Changes nothing."""
+        if self.frames:
+            theirs = self.frames[-1].scaler if delay_unscale else None
+        else:
+            theirs = self.scaled_by
+        return theirs if theirs is not None and theirs is not scaler else None
+
+    def enter(self, scaler, delay_unscale):
+        record = self.record
+        if not self.frames and self.scaled_by is None:
+            record.follow_external_writes()
+        self.frames.append(_Frame(scaler, delay_unscale, _take(record.grad_holders())))
+
+    def discard(self):
+        """The block raised: the gradients are put back as they were when it opened."""
+        frame = self.frames.pop()
+        for param in self.record.grad_holders():
+            param.grad = None
+        for param, grad in frame.taken:
+            param.grad = grad
+
+    def freeze_scale(self, scaler, device):
+        """`scaler` is about to change: open blocks scaled by it keep the inverse they used."""
+        for frame in self.frames:
+            if frame.scaler is scaler and frame.inv is None:
+                frame.inv = scaler.inv_scale(device).clone()
+
+    def commit(self, flag):
+        """The block exited normally: join its gradients with the ones taken (see module doc).
+        Gradients unscaled here are checked for inf/NaN into `flag`."""
+        frame = self.frames.pop()
+        nested = bool(self.frames)
+        taken_scaled = nested or self.scaled_by is not None
+        if frame.delay:
+            if taken_scaled:
+                _join(frame.taken)
+            else:
+                self.kept, self.scaled_by = frame.taken, frame.scaler
+            (self.frames[-1].done if nested else self.kept).extend(frame.done)
+            return
+        inv_scale = frame.inv
+        if inv_scale is None:
+            inv_scale = frame.scaler.inv_scale(flag.tensor.device)
+        if nested:
+            self.frames[-1].done.extend(frame.done)
+            self.frames[-1].done.extend(self._unscale(frame.scaler, inv_scale, flag, False))
+            _join(frame.taken)  # the enclosing block's own (still scaled) gradients
+            return
+        if taken_scaled:
+            _join(frame.taken)  # the scaled sum of an accumulation, unscaled at once
+            extras = self.kept + frame.done
+            self.kept, self.scaled_by = [], None
+        else:
+            extras = frame.taken + frame.done
+        master_of = {id(param): master for param, master in self.record.master_pairs}
+        for param, grad in extras:  # already unscaled: into the masters first (as apex's order)
+            master = master_of.get(id(param))
+            if master is not None:
+                add_to_master_grad(master, grad.float())
+        self._unscale(frame.scaler, inv_scale, flag, True)
+        _join([(param, grad) for param, grad in extras if id(param) not in master_of])
+
+    def reset(self):
+        """zero_grad(): the gradients kept apart go with the ones in `.grad`."""
+        self.kept, self.scaled_by = [], None
+
+    def _unscale(self, scaler, inv_scale, flag, into_masters):
+        """Unscale and check the gradients in `.grad`. into_masters: O2 model gradients go into
+        the master gradients, plain ones stay in `.grad`; else every unscaled gradient is taken
+        out of `.grad` and returned as (param, grad), for the enclosing block."""
+        record = self.record
+        params = record.plain_params()
+        grads = [grad for grad in map(_grad, params) if grad is not None]
+        if not scaler.is_identity and grads:
+            views = grads
+            if any(grad.is_sparse or grad.is_complex() for grad in grads):
+                views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
+            kernels.unscale_(views, inv_scale, flag.tensor)
+        handed = [] if into_masters else _take(params)
+        fresh_sources, fresh, add_sources, add_to, later = [], [], [], [], []
+        for model_param, master in record.master_pairs:
+            grad = model_param.grad
+            if grad is None:
+                continue
+            model_param.grad = None
+            if grad.is_sparse:
+                grad = grad.coalesce()
+                values = torch.empty_like(grad._values(), dtype=torch.float32)
+                kernels.unscale_to_([grad._values()], [values], inv_scale, flag.tensor)
+                unscaled = torch.sparse_coo_tensor(
+                    grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False
+                )
+                if into_masters:
+                    add_to_master_grad(master, unscaled)
+                else:
+                    handed.append((model_param, unscaled))
+            elif into_masters and master.grad is not None and not master.grad.is_sparse:
+                add_sources.append(grad)
+                add_to.append(master.grad)
+            else:
+                destination = torch.empty_like(master)
+                fresh_sources.append(grad)
+                fresh.append(destination)
+                if not into_masters:
+                    handed.append((model_param, destination))
+                else:
+                    later.append((master, destination))
+        kernels.unscale_to_(fresh_sources, fresh, inv_scale, flag.tensor, check=False)
+        kernels.unscale_add_(add_sources, add_to, inv_scale, flag.tensor, check=False)
+        for master, grad in later:
+            add_to_master_grad(master, grad)
+        return handed

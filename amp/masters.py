@@ -1,0 +1,123 @@
+"""O2 master weights: the FP32 copies an optimizer steps in place of the model's low-precision
+parameters, kept in step with the model both ways."""
+
+import torch
+
+from ._state import amp_state
+
+
+def new_master(param):
+    """An FP32 copy of `param`, as a Parameter so that an optimizer can step it."""
+    master = torch.nn.Parameter(param.detach().clone().float(), requires_grad=param.requires_grad)
+    if param.grad is not None:
+        master.grad = param.grad.detach().float()
+    return master
+
+
+def match_state_to_params(optimizer):
+    """Cast floating optimizer state to its parameter's dtype, as torch's load_state_dict does."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if (
+                key != "step"
+                and isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and value.dtype != param.dtype
+            ):
+                state[key] = value.to(param.dtype)
+
+
+class MasterWeights:
+    """The master-weight half of an OptimizerRecord: which optimizer parameters are FP32 masters
+    of which model parameters."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.master_pairs = []  # (model parameter, FP32 master) for O2
+        self._plain_cache = (None, [])
+
+    def add_master(self, param, master):
+        self.master_pairs.append((param, master))
+        amp_state.masters[id(param)] = master
+
+    def remember_versions(self):
+        """amp (or a state-dict load) just wrote the model parameters from their masters."""
+        for model_param, _ in self.master_pairs:
+            shadow = amp_state.shadows.get(id(model_param))
+            if shadow is not None:
+                shadow.mark()
+
+    def follow_external_writes(self):
+        """Bring masters and model parameters in step after writes from outside amp.
+
+        DataParallel's broadcast or a `param.copy_(...)` change the model after the masters were
+        made; a write through `model.state_dict()` changes the master. See shadows.Shadow.sync.
+        """
+        for model_param, _ in self.master_pairs:
+            shadow = amp_state.shadows.get(id(model_param))
+            if shadow is not None:
+                shadow.sync()
+
+    def fold_outside_gradients(self):
+        """Gradients of model parameters made by a backward outside scale_loss are unscaled:
+        they join the master gradients (apex dropped them; without this O2 would not step)."""
+        for model_param, master in self.master_pairs:
+            grad = model_param.grad
+            if grad is not None:
+                add_to_master_grad(master, grad.float())
+                model_param.grad = None
+
+    def grad_holders(self):
+        """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
+        if not self.master_pairs:
+            return self.plain_params()
+        return self.plain_params() + [model_param for model_param, _ in self.master_pairs]
+
+    def plain_params(self):
+        """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
+        groups = self.optimizer.param_groups
+        signature = tuple(len(group["params"]) for group in groups)
+        cached_signature, params = self._plain_cache
+        if signature != cached_signature:
+            masters = {id(master) for _, master in self.master_pairs}
+            params = [p for group in groups for p in group["params"] if id(p) not in masters]
+            self._plain_cache = (signature, params)
+        return params  # shared: callers do not modify it
+
+    def forget_param_groups(self):
+        self._plain_cache = (None, [])
+
+    def master_indices(self):
+        """{index in the optimizer's state dict: (model param, master)} for every master."""
+        pairs = {id(master): (model_param, master) for model_param, master in self.master_pairs}
+        found = {}
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        for index, param in enumerate(params):
+            if id(param) in pairs:
+                found[index] = pairs[id(param)]
+        return found
+
+    def give_back_model_params(self):
+        """Undo of master creation: the optimizer steps the model's own parameters again."""
+        model_param_of = {id(master): model_param for model_param, master in self.master_pairs}
+        for group in self.optimizer.param_groups:
+            group["params"] = [model_param_of.get(id(p), p) for p in group["params"]]
+        state = self.optimizer.state
+        for model_param, master in self.master_pairs:
+            if master in state:
+                state[model_param] = state.pop(master)
+            if model_param.dtype is torch.float32:
+                model_param.grad = master.grad
+            amp_state.masters.pop(id(model_param), None)
+        self.master_pairs = []
+        self.forget_param_groups()
+
+
+def add_to_master_grad(master, grad):
+    """master.grad += grad (FP32), keeping a sparse gradient sparse (SparseAdam needs it)."""
+    if master.grad is None:
+        master.grad = grad
+    elif master.grad.is_sparse or grad.is_sparse:
+        master.grad = master.grad + grad
+    else:
+        master.grad.add_(grad)

@@ -1,0 +1,78 @@
+"""Optimizer state dicts that carry the O2 master weights, loaded validate-then-commit."""
+
+import torch
+
+from . import kernels
+from ._state import amp_state
+
+MASTER_PARAMS_KEY = "amp_master_params"
+
+
+def state_dict(record):
+    state = record.originals["state_dict"]()
+    if record.master_pairs:
+        state[MASTER_PARAMS_KEY] = {
+            index: master.detach() for index, (_, master) in record.master_indices().items()
+        }
+    return state
+
+
+def load_state_dict(record, state_dict):
+    """Check the masters, let torch check and load the rest, then write the masters.
+
+    A checkpoint without the masters key (a plain FP32 one) loads: the masters keep the values
+    they have (the model's, after `model.load_state_dict`). With the key, it must hold a master
+    for every master here: a partial set would leave some at values from another run.
+    """
+    has_masters = hasattr(state_dict, "get") and MASTER_PARAMS_KEY in state_dict
+    plan = []
+    if has_masters:
+        plan = check_masters(record, state_dict[MASTER_PARAMS_KEY])
+        state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
+    record.originals["load_state_dict"](state_dict)
+    if plan:
+        with torch.no_grad():
+            for value, _, master in plan:
+                master.copy_(value)
+            kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
+        record.remember_versions()
+    record.forget_param_groups()
+    amp_state.cast_cache.clear()
+
+
+def check_masters(record, masters):
+    """[(value, model param, master)] to copy, or a clear error; changes nothing."""
+    here = record.master_indices()
+    if not isinstance(masters, dict):
+        raise TypeError(
+            f"optimizer.load_state_dict: {MASTER_PARAMS_KEY!r} must map parameter indices "
+            f"to tensors; got {type(masters).__name__}. Drop the key to keep the current master "
+            "weights (they follow the model's weights)."
+        )
+    plan = []
+    for index, value in masters.items():
+        if index not in here:
+            raise ValueError(
+                f"optimizer.load_state_dict: the checkpoint has an FP32 master weight for "
+                f"parameter {index!r}, which is not an O2 master here (this optimizer has "
+                f"masters for {sorted(here)}). Load it into an optimizer set up the same way."
+            )
+        model_param, master = here[index]
+        if not isinstance(value, torch.Tensor) or value.shape != master.shape:
+            raise ValueError(
+                f"optimizer.load_state_dict: master weight {index} has shape "
+                f"{getattr(value, 'shape', type(value).__name__)}, expected "
+                f"{tuple(master.shape)}."
+            )
+        if not value.is_floating_point():
+            raise ValueError(f"optimizer.load_state_dict: master weight {index} is not floating.")
+        plan.append((value, model_param, master))
+    missing = sorted(set(here) - set(masters))
+    if missing:
+        raise ValueError(
+            f"optimizer.load_state_dict: the checkpoint's {MASTER_PARAMS_KEY!r} lacks the "
+            f"master weights of parameters {missing} (it has {sorted(masters)}); they would keep "
+            "this run's values. Load a checkpoint saved by an optimizer set up the same way, or "
+            f"drop the {MASTER_PARAMS_KEY!r} key to take the masters from the model."
+        )
+    return plan

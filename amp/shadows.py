@@ -1,0 +1,156 @@
+"""FP32 shadows of a cast model's low-precision tensors: live FP32 state dicts at O2/O3.
+
+At O2 every cast parameter has an FP32 shadow (its master weight when an optimizer steps it, an
+FP32 copy when it is frozen), and at O2/O3 every cast floating buffer keeps its FP32 original as
+its shadow. O3 keeps no FP32 copy of its parameters: `state_dict()` makes a transient shadow,
+which lives until the next forward has taken what was written into it. `model.state_dict()`
+returns the shadows themselves, so that code which updates a
+model in place through its state dict (timm's ModelEmaV2/V3 on a `copy.deepcopy` of the model)
+changes what the model computes with: a write into a shadow is copied into the low-precision
+tensor before the next forward. A write into the low-precision tensor (a `param.copy_`,
+DataParallel's broadcast, a `clamp_`) is taken into the shadow where it changed the
+low-precision value, so a write that changes nothing leaves the FP32 value alone.
+
+The shadows live in the hooks amp registers on the model (picklable module-level classes), so a
+deepcopy or a pickle of the model carries its own shadows along.
+"""
+
+import torch
+
+from .casts import LOW_PRECISION
+
+
+class Shadow:
+    """One low-precision tensor (`module`'s parameter or buffer `name`) and its FP32 copy."""
+
+    def __init__(self, module, name, is_param, fp32, transient=False):
+        self.module = module
+        self.name = name
+        self.is_param = is_param
+        self.fp32 = fp32
+        self.transient = transient  # made by a state dict at O3; dropped at the next forward
+        self.low = None  # the low-precision tensor last synced
+        self.low_version = self.fp32_version = None
+        # Only what is seen to have changed is taken from the low-precision side: a write that
+        # rounds to the same value (a `clamp_` that clamps nothing) leaves the FP32 value alone.
+
+    def current(self):
+        tensors = self.module._parameters if self.is_param else self.module._buffers
+        return tensors.get(self.name)
+
+    def mark(self):
+        """The two sides agree now (amp wrote one from the other)."""
+        self.low = self.current()
+        self.low_version = None if self.low is None else self.low._version
+        self.fp32_version = self.fp32._version
+
+    def push(self):
+        """Copy a write into the FP32 side (through a state dict) to the low-precision tensor."""
+        if self.fp32._version != self.fp32_version:
+            self.sync()
+
+    def sync(self):
+        """Copy a write made since the last sync across; the FP32 side wins a conflict."""
+        low = self.current()
+        if low is None or low.dtype not in LOW_PRECISION:
+            return  # removed, or replaced by an FP32 tensor: nothing to shadow
+        with torch.no_grad():
+            if low is not self.low or low.shape != self.fp32.shape:
+                self.fp32 = low.detach().float()  # a new tensor was assigned: it is the value
+            elif self.fp32._version != self.fp32_version:
+                low.copy_(self.fp32)
+            elif low._version != self.low_version or not self.is_param:
+                # A buffer is compared every time: batch norm updates its running statistics
+                # without bumping their version counter.
+                changed = low != self.fp32.to(low.dtype)
+                self.fp32.copy_(torch.where(changed, low.float(), self.fp32))
+        self.mark()
+
+
+class ModelShadows:
+    """The shadows of one model; `lent` once a state dict handed them out."""
+
+    def __init__(self):
+        self.shadows = []
+        self.lent = False
+
+    def sync(self):
+        for shadow in self.shadows:
+            shadow.sync()
+
+    def add_transient(self, by_name, name, low, module):
+        shadow = by_name[name] = Shadow(module, name, True, low.detach().float(), transient=True)
+        shadow.mark()
+        self.shadows.append(shadow)
+        return shadow
+
+    def drop_transients(self, by_module):
+        if any(shadow.transient for shadow in self.shadows):
+            for shadow in self.shadows:
+                if shadow.transient:
+                    del by_module[shadow.module][shadow.name]
+            self.shadows = [shadow for shadow in self.shadows if not shadow.transient]
+
+
+class SyncBeforeForward:
+    """Forward pre-hook: writes made through a state dict reach the model before it computes."""
+
+    def __init__(self, model_shadows, by_module):
+        self.model_shadows = model_shadows
+        self.by_module = by_module  # module -> {name: Shadow}, shared with the other hooks
+
+    def __call__(self, module, args):
+        if self.model_shadows.lent:
+            for shadow in self.model_shadows.shadows:
+                shadow.push()
+            self.model_shadows.drop_transients(self.by_module)
+
+
+class FP32StateDict:
+    """State-dict post-hook of one module: its low-precision entries as FP32 shadows."""
+
+    def __init__(self, model_shadows, by_name):
+        self.model_shadows = model_shadows
+        self.by_name = by_name  # name -> Shadow for this module
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            key = prefix + name
+            value = state_dict.get(key)
+            if value is None or value is tensor or value.dtype not in LOW_PRECISION:
+                continue  # absent, kept as a live Parameter (keep_vars=True), or already FP32
+            shadow = self.by_name.get(name)
+            if shadow is None:
+                if name not in module._parameters:
+                    state_dict[key] = value.float()  # a buffer made after initialize
+                    continue
+                shadow = self.model_shadows.add_transient(self.by_name, name, tensor, module)
+            shadow.sync()
+            state_dict[key] = shadow.fp32.detach()  # shares the version counter: writes show
+            self.model_shadows.lent = True
+
+
+class LoadIntoShadows:
+    """Load-state-dict pre-hook: full-precision values go into the shadows, not only the model."""
+
+    def __init__(self, by_name):
+        self.by_name = by_name
+
+    def __call__(self, module, state_dict, prefix, *args):
+        with torch.no_grad():
+            for name, shadow in self.by_name.items():
+                shadow.sync()  # a write not yet taken over is not lost to a partial load
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == shadow.fp32.shape:
+                    shadow.fp32.copy_(value)
+
+
+class MarkLoaded:
+    """Load-state-dict post-hook: what was just loaded is amp's own write, not an outside one."""
+
+    def __init__(self, by_name):
+        self.by_name = by_name
+
+    def __call__(self, module, incompatible_keys):
+        for shadow in self.by_name.values():
+            shadow.mark()

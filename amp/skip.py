@@ -1,0 +1,71 @@
+"""Skipped steps: an optimizer's pending overflow flags, and the report of a step they skip."""
+
+import torch
+
+from ._state import amp_state, logger
+from .diagnostics import OverflowReport
+
+
+class SkipDecision:
+    """The overflow flags of the scale_loss blocks since an optimizer's last step."""
+
+    def __init__(self, record):
+        self.record = record
+        self.pending = []  # (loss_id, OverflowFlag) to read at the next step
+
+    def add(self, loss_id, flag):
+        self.pending.append((loss_id, flag))
+
+    def clear(self):
+        """zero_grad(): the gradients an overflow was found in are gone, so is the reason to skip."""
+        self.pending = []
+
+    def take(self):
+        """The (loss_id, flag) pairs that overflowed since the last step (one sync per flag)."""
+        pending, self.pending = self.pending, []
+        return [(loss_id, flag) for loss_id, flag in pending if flag.is_set()]
+
+    def skip(self, overflowed):
+        """Skip this step: report where the overflow came from and drop the master gradients."""
+        record = self.record
+        if getattr(record.originals["step"], "_wrapped_by_lr_sched", False):
+            # The user did call step(): an LR scheduler made before amp.initialize must not warn
+            # that its step() came first.
+            record.optimizer._opt_called = True
+        grads = [(p, p.grad) for p in record.plain_params() if p.grad is not None]
+        grads += [
+            (master, master.grad) for _, master in record.master_pairs if master.grad is not None
+        ]
+        names = self._nonfinite_names(grads)
+        for _, master in record.master_pairs:
+            master.grad = None
+        for loss_id, flag in overflowed:
+            params = names
+            previous = amp_state.last_overflow
+            if previous is not None and previous.flag is flag:  # another optimizer of that loss
+                params = previous.params + tuple(n for n in names if n not in previous.params)
+            report = OverflowReport(loss_id, params, amp_state.loss_scalers[loss_id].loss_scale())
+            report.flag = flag
+            amp_state.last_overflow = report
+            message = (
+                f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale "
+                f"to {report.loss_scale}"
+            )
+            if amp_state.verbosity >= 2:
+                message += f"; non-finite gradients in: {', '.join(names) or 'none left'}"
+            if amp_state.verbosity >= 1:
+                logger.info(message)
+
+    def _nonfinite_names(self, grads):
+        # Only on a skipped step: one reduction per gradient, one sync per device.
+        if not grads:
+            return ()
+        flags = [(~torch.isfinite(g._values() if g.is_sparse else g)).any() for _, g in grads]
+        by_device = {}
+        for index, flag in enumerate(flags):
+            by_device.setdefault(flag.device, []).append(index)
+        bad = [False] * len(flags)
+        for indices in by_device.values():
+            for index, is_bad in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
+                bad[index] = is_bad
+        return tuple(self.record.param_name(p) for (p, _), is_bad in zip(grads, bad) if is_bad)
