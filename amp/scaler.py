@@ -118,7 +118,13 @@ class LossScaler:
         return self._init_unskipped if self._unskipped is None else int(self._unskipped.item())
 
     def state_dict(self):
-        return {"loss_scale": self.loss_scale(), "unskipped": self.unskipped()}
+        # "dynamic" records the scaler's kind, so a load into the other kind is refused; apex's
+        # dicts (and amp's before it) lack it and load as before.
+        return {
+            "loss_scale": self.loss_scale(),
+            "unskipped": self.unskipped(),
+            "dynamic": self.dynamic,
+        }
 
     def load_state_dict(self, state):
         """Load an entry validated by `check_state` against this scaler (cannot fail)."""
@@ -184,6 +190,19 @@ def check_state(key, state, scaler=None):
         raise ValueError(
             f"amp.load_state_dict: {key!r}['unskipped'] = {unskipped} does not fit the int32 "
             f"step count (at most {_INT32_MAX}); the checkpoint is damaged."
+        )
+    dynamic = state.get("dynamic")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ValueError(
+            f"amp.load_state_dict: {key!r}['dynamic'] must be True or False; got {dynamic!r}."
+        )
+    if scaler is not None and dynamic is not None and dynamic != scaler.dynamic:
+        kind, here = ("dynamic", "static") if dynamic else ("static", "dynamic")
+        raise ValueError(
+            f"amp.load_state_dict: {key!r} comes from a {kind} loss scaler, but this run's is "
+            f"{here}: its scale would be taken for this run's, unchecked. Initialize with the "
+            f"checkpoint's kind (loss_scale='dynamic', or loss_scale=<the static value>), or "
+            "leave the amp state out of the load."
         )
     scale = torch.tensor(scale, dtype=torch.float32).item()  # what the scaler will hold
     if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:

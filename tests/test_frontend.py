@@ -311,7 +311,7 @@ def test_state_dict_format_and_weights_only_load(tmp_path):
     amp.initialize(model, optimizer, num_losses=2, verbosity=0)
     state = amp.state_dict()
     assert list(state) == ["loss_scaler0", "loss_scaler1"]
-    assert state["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 0}
+    assert state["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 0, "dynamic": True}
     path = tmp_path / "amp.pt"
     torch.save(state, path)
     assert torch.load(path, weights_only=True) == state
@@ -357,7 +357,11 @@ def test_malformed_state_dict_raises_and_loads_nothing(bad, error, match):
     good_and_bad = dict(bad) if isinstance(bad, dict) else bad
     with pytest.raises(error, match=match):
         amp.load_state_dict(good_and_bad)
-    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 5}
+    assert amp.state_dict()["loss_scaler0"] == {
+        "loss_scale": 512.0,
+        "unskipped": 5,
+        "dynamic": True,
+    }
     amp.deinitialize()
 
 

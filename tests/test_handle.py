@@ -158,7 +158,7 @@ def test_injected_overflows_skip_exactly_those_steps(opt_level, kind):
                 unskipped += 1
                 if unskipped == 3:
                     scale, unskipped = scale * 2, 0
-            expected.append({"loss_scale": scale, "unskipped": unskipped})
+            expected.append({"loss_scale": scale, "unskipped": unskipped, "dynamic": True})
         assert scales == expected
     finally:
         amp.deinitialize()

@@ -101,7 +101,8 @@ def test_state_round_trip_and_validation():
     run(scaler, [0, 0, 0, 0, 1, 0])
     other = LossScaler("dynamic")
     other.load_state_dict(check_state("loss_scaler0", scaler.state_dict()))
-    assert other.state_dict() == scaler.state_dict() == {"loss_scale": 65536.0, "unskipped": 1}
+    assert other.state_dict() == scaler.state_dict()
+    assert scaler.state_dict() == {"loss_scale": 65536.0, "unskipped": 1, "dynamic": True}
     assert check_state("k", {"loss_scale": torch.tensor(4.0), "unskipped": torch.tensor(2)}) == {
         "loss_scale": 4.0,
         "unskipped": 2,
