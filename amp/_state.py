@@ -8,18 +8,36 @@ logger = logging.getLogger("amp")
 logger.addHandler(logging.NullHandler())
 
 
+class _Inherit:
+    def __repr__(self):
+        return "INHERIT"
+
+
+INHERIT = _Inherit()  # a thread's policy when it has set none: ThreadState.default_policy holds
+
+
 class ThreadState(threading.local):
     """Per-thread casting state.
 
-    The class attributes are the process-wide defaults that every thread sees until it sets its
-    own value: `amp.initialize(opt_level="O1")` sets `ThreadState.policy`, so casting applies in
-    every thread, while `autocast` and `disable_casts` set the attribute on the instance, which
-    affects the current thread only.
+    `amp.initialize(opt_level="O1")` sets the class attribute `default_policy`, so casting applies
+    in every thread; `autocast` and `disable_casts` set `policy` on the instance, which affects the
+    current thread only. Every thread's instance holds all three attributes from its first use:
+    torch.compile guards a value read through a threading.local's class default with a check of
+    the instance dict that misses later per-thread writes (a graph made outside a region would be
+    reused inside one).
     """
 
-    policy = None  # the CastPolicy in force, or None when nothing is cast
-    trace = None  # the innermost active diagnostics.Trace, or None
-    autocast_depth = 0  # autocast regions entered and not yet exited in this thread
+    default_policy = None  # the CastPolicy of every thread whose own policy is INHERIT
+
+    def __init__(self):
+        self.policy = INHERIT  # this thread's own: a CastPolicy, None (nothing cast) or INHERIT
+        self.trace = None  # the innermost active diagnostics.Trace, or None
+        self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
+
+    def current_policy(self):
+        """The CastPolicy in force in this thread, or None."""
+        policy = self.policy
+        return ThreadState.default_policy if policy is INHERIT else policy
 
 
 class Registrations(collections.abc.MutableMapping):

@@ -9,14 +9,12 @@ from ._state import amp_state
 from . import native_autocast as native_state
 from .casts import DEVICE_FILTERS, DEVICE_TYPES, LOW_PRECISION, cast_tree, with_device
 
-_UNSET = object()
-
 
 @contextlib.contextmanager
 def policy_scope(policy):
     """Run the block with `policy` (None: no casting) in force in this thread, every device."""
     thread = amp_state.thread
-    saved = thread.__dict__.get("policy", _UNSET)
+    saved = thread.policy
     patches = amp_state.torch_patches if policy is not None else None
     if patches is not None:
         patches.acquire()
@@ -24,10 +22,7 @@ def policy_scope(policy):
     try:
         yield
     finally:
-        if saved is _UNSET:
-            del thread.policy  # back to the process-wide default
-        else:
-            thread.policy = saved
+        thread.policy = saved
         if patches is not None:
             patches.release()
 
@@ -52,8 +47,8 @@ def enter_region(device_type, dtype, cache_enabled):
     thread = amp_state.thread
     patches = amp_state.torch_patches
     patches.acquire()  # installs the patches on first use; they stay until amp.deinitialize()
-    saved = thread.__dict__.get("policy", _UNSET)
-    thread.policy = with_device(thread.policy, device_type, dtype, cache_enabled)
+    saved = thread.policy
+    thread.policy = with_device(thread.current_policy(), device_type, dtype, cache_enabled)
     thread.autocast_depth += 1
     # A torch.autocast region opened before amp's patches were installed set torch's own state;
     # amp's region turns it off for its devices so that torch's dispatcher does not cast too.
@@ -67,10 +62,7 @@ def exit_region(token):
     try:
         native_state.restore(native)
         thread.autocast_depth -= 1
-        if saved is _UNSET:
-            del thread.policy
-        else:
-            thread.policy = saved
+        thread.policy = saved
         if thread.autocast_depth == 0:
             amp_state.cast_cache.clear()
     finally:
@@ -213,14 +205,18 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx, *args, **kwargs):
-        policy = amp_state.thread.policy
-        casting = policy is not None and (device_type is None or policy.dtype_for(device_type))
+        policy = amp_state.thread.current_policy()
+        # Asked through torch's readers: a torch.autocast region opened before amp was first
+        # used casts too, and its body must run with casting off as well.
+        devices = DEVICE_TYPES if device_type is None else (device_type,)
+        casting = any(torch.is_autocast_enabled(device) for device in devices)
         if cast_inputs is None or not casting:
             ctx._amp_policy = policy
             return fwd(ctx, *args, **kwargs)
         # Casting off on that device for the body (and its backward), as torch.amp does.
-        ctx._amp_policy = with_device(policy, device_type, None, policy.cache_enabled)
-        token = enter_region(device_type, None, policy.cache_enabled)
+        cache_enabled = policy.cache_enabled if policy is not None else True
+        ctx._amp_policy = with_device(policy, device_type, None, cache_enabled)
+        token = enter_region(device_type, None, cache_enabled)
         try:
             return fwd(
                 ctx,

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from . import model as model_module
+from . import native_autocast
 from . import optimizer as optimizer_module
 from . import properties as properties_module
 from ._state import ThreadState, amp_state, logger
@@ -200,6 +201,12 @@ def initialize(
         raise ValueError(
             f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}."
         )
+    if properties.patch_torch_functions and native_autocast.any_enabled():
+        raise RuntimeError(
+            "amp.initialize(opt_level='O1') was called inside a torch.autocast region opened "
+            "before amp was first used: torch's own autocast would cast on top of amp's. Call "
+            "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
+        )
     _check_models_and_optimizers(model_list, optimizer_list)
 
     ledger = PatchLedger()
@@ -255,8 +262,8 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     if properties.patch_torch_functions:
         amp_state.torch_patches.acquire()
         ledger.add_undo("torch patches", amp_state.torch_patches.release)
-        ThreadState.policy = policy_for(properties.dtype, properties.dtype)
-        ledger.add_undo("O1 policy", lambda: setattr(ThreadState, "policy", None))
+        ThreadState.default_policy = policy_for(properties.dtype, properties.dtype)
+        ledger.add_undo("O1 policy", lambda: setattr(ThreadState, "default_policy", None))
 
 
 def deinitialize():

@@ -11,16 +11,18 @@ decides. In a thread where amp has said nothing (no region, no O1), the original
 """
 
 import functools
+import sys
 
 import torch
 
-from ._state import ThreadState, amp_state
+from ._state import INHERIT, ThreadState, amp_state
 from .autocast import enter_region, exit_region
 from .casts import DEVICE_TYPES
 from .patching import ORIGINAL_ATTRIBUTE
 
 _thread = amp_state.thread
 _is_compiling = torch.compiler.is_compiling
+_GRAPH_ENTER = torch.amp.autocast_mode._enter_autocast.__code__  # FX graphs' autocast entry
 
 
 def _amp_policy():
@@ -30,9 +32,10 @@ def _amp_policy():
     if _is_compiling():
         return False, None
     policy = _thread.policy
-    if policy is not None:
-        return True, policy
-    return "policy" in _thread.__dict__ or ThreadState.policy is not None, None
+    if policy is INHERIT:
+        policy = ThreadState.default_policy
+        return policy is not None, policy
+    return True, policy
 
 
 def _reader(original, answer):
@@ -43,7 +46,10 @@ def _reader(original, answer):
     def read(*args, **kwargs):
         decides, policy = _amp_policy()
         if decides:
-            result = answer(policy, *args, **kwargs)
+            try:
+                result = answer(policy, *args, **kwargs)
+            except TypeError:  # a call torch refuses: torch's own error
+                result = NotImplemented
             if result is not NotImplemented:
                 return result
         return original(*args, **kwargs)
@@ -56,16 +62,22 @@ def _mark(replacement, original):
     return replacement
 
 
+def _amp_dtype(policy, device_type):
+    """amp's dtype on `device_type` ("cpu:0" counts as "cpu"), or None: where amp casts nothing
+    torch's own state answers (off, unless a torch.autocast region opened before amp was used)."""
+    if policy is None or not isinstance(device_type, str):
+        return None
+    return policy.dtype_for(device_type.partition(":")[0])
+
+
 def _enabled(policy, device_type="cuda"):
     # torch.is_autocast_enabled() without a device asks about CUDA (its deprecated form).
-    if device_type not in DEVICE_TYPES:
-        return NotImplemented
-    return policy is not None and policy.dtype_for(device_type) is not None
+    return NotImplemented if _amp_dtype(policy, device_type) is None else True
 
 
 def _dtype(policy, device_type):
-    dtype = policy.dtype_for(device_type) if policy is not None else None
-    return NotImplemented if dtype is None else dtype  # off there: torch's stored dtype
+    dtype = _amp_dtype(policy, device_type)
+    return NotImplemented if dtype is None else dtype
 
 
 def _cache_enabled(policy):
@@ -73,7 +85,7 @@ def _cache_enabled(policy):
 
 
 def _any_enabled(policy):
-    return policy is not None
+    return NotImplemented if policy is None else True
 
 
 def _cpu_enabled(policy):
@@ -91,7 +103,14 @@ def _gpu_dtype(policy):
 def _enter(original):
     @functools.wraps(original)
     def __enter__(self):
-        if self.device not in DEVICE_TYPES or _is_compiling():
+        # torch's own region: on other devices, while compiling, and where a compiled or
+        # exported graph enters it at run time (its ops are not amp's wrappers, so only torch's
+        # dispatcher can cast them).
+        if (
+            self.device not in DEVICE_TYPES
+            or _is_compiling()
+            or sys._getframe(1).f_code is _GRAPH_ENTER
+        ):
             return original(self)
         dtype = self.fast_dtype if self._enabled else None
         token = enter_region(self.device, dtype, self._cache_enabled)

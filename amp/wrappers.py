@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from ._state import amp_state
+from ._state import INHERIT, ThreadState, amp_state
 from .casts import CASTABLE, LOW_PRECISION, SEQUENCES, ExplicitDtype
 from .diagnostics import traced_call
 from .patching import ORIGINAL_ATTRIBUTE
@@ -179,6 +179,8 @@ def make_wrapper(original, kind, name, message=None):
 
     def amp_wrapper(*args, **kwargs):
         policy = thread.policy
+        if policy is INHERIT:
+            policy = ThreadState.default_policy
         if policy is None:
             if thread.trace is None:
                 return original(*args, **kwargs)

@@ -5,7 +5,7 @@ import torch
 
 import amp
 from amp import lists, torch_autocast
-from amp._state import ThreadState, amp_state
+from amp._state import INHERIT, ThreadState, amp_state
 
 HAS_CUDA = torch.cuda.is_available()
 REQUIRE_CUDA = os.environ.get("AMP_REQUIRE_CUDA", "") not in ("", "0")
@@ -69,7 +69,7 @@ def no_amp_leak():
         problems.append(f"test leaked amp patches: {', '.join(leaked[:10])}")
     if amp_state.initialized:
         problems.append("amp is still initialized")
-    if ThreadState.policy is not None or "policy" in amp_state.thread.__dict__:
+    if ThreadState.default_policy is not None or amp_state.thread.policy is not INHERIT:
         problems.append("a casting policy is still in force")
     if amp_state.torch_patches.installed:
         problems.append("torch patches are still installed")

@@ -518,3 +518,100 @@ def test_cuda_islands_readers_and_checkpoint(dtype):
         loss.backward()
         grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(want, have) for want, have in zip(*grads))
+
+
+# -- found by a hostile pass ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_outside_a_region_is_not_reused_inside_one():
+    torch._dynamo.reset()
+    linear = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    compiled = torch.compile(lambda x: linear(x), backend="eager")
+    with amp.autocast(dtype=torch.bfloat16):  # installs the patches
+        assert compiled(x).dtype is torch.bfloat16
+    assert compiled(x).dtype is torch.float32
+    with amp.autocast(dtype=torch.bfloat16):
+        assert compiled(x).dtype is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert compiled(x).dtype is torch.float16
+    amp.initialize(nn.Linear(1, 1), opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    try:
+        assert compiled(x).dtype is torch.bfloat16
+        with amp.disable_casts():
+            assert compiled(x).dtype is torch.float32
+        with torch.autocast("cpu", enabled=False):
+            assert compiled(x).dtype is torch.float32
+    finally:
+        amp.deinitialize()
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_torch_autocast_inside_a_graph_run_as_fx_code_is_torchs_own():
+    torch._dynamo.reset()
+    linear = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def region(x, fail=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear(x)
+            if fail:
+                raise ValueError("inside")
+        return y
+
+    with amp.autocast(dtype=torch.float16):
+        pass  # amp's patches are installed from here on
+    compiled = torch.compile(region, backend="eager")
+    assert compiled(x).dtype is torch.bfloat16  # as eager torch: the graph's ops are torch's
+    assert not torch.is_autocast_enabled("cpu") and not amp.native_autocast.any_enabled()
+    torch._dynamo.reset()
+
+
+def test_amp_custom_fwd_sees_a_torch_region_opened_before_amp():
+    amp.deinitialize()
+
+    class Op(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(cast_inputs=torch.float32)
+        def forward(ctx, x):
+            return x.dtype, torch.is_autocast_enabled("cpu"), torch.mm(x, x).dtype
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return None
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own: amp not installed
+        assert Op.apply(torch.randn(2, 2).bfloat16()) == (torch.float32, False, torch.float32)
+    assert not amp.native_autocast.any_enabled()
+
+
+def test_o1_inside_a_torch_region_opened_before_amp_is_refused():
+    amp.deinitialize()
+    model = nn.Linear(2, 2)
+    weight = model.weight.detach().clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="inside a torch.autocast region opened before"):
+            amp.initialize(model, opt_level="O1", verbosity=0)
+    assert not amp_state.initialized and torch.equal(model.weight, weight)
+
+
+def test_readers_fall_back_to_torchs_state_where_amp_casts_nothing():
+    amp.deinitialize()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own region on CPU
+        with amp.autocast("cuda", dtype=torch.float16):
+            assert torch.is_autocast_enabled("cpu")  # torch's own casting goes on there
+            assert torch.get_autocast_dtype("cpu") is torch.bfloat16
+            assert torch.get_autocast_dtype("cuda") is torch.float16
+            assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype is torch.bfloat16
+
+
+def test_readers_take_torchs_argument_forms_and_errors():
+    with amp.autocast(dtype=torch.float16):
+        assert torch.is_autocast_enabled("cpu:0")
+        assert torch.get_autocast_dtype("cpu:0") is torch.float16
+        assert torch.is_autocast_enabled(device_type="cpu")
+        with pytest.raises(TypeError) as raised:
+            torch.get_autocast_dtype()
+        assert str(raised.value).startswith("get_autocast_dtype() missing")  # torch's message
