@@ -5,11 +5,12 @@ import contextlib
 import torch
 
 from ._state import amp_state
+from .apex_compat import is_optimizer_like
 from .scaler import OverflowFlag
 
 
 def _records(optimizers):
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer_like(optimizers):
         optimizers = [optimizers]
     elif not isinstance(optimizers, (list, tuple)):
         raise TypeError(
@@ -98,6 +99,7 @@ def scale_loss(
     try:
         if scaler.is_identity and not any(record.master_pairs for record in records):
             yield loss.float()  # nothing to scale or check (O0 and O3 by default)
+            scaler.count_pass()
             return
         for record in records:
             if not record.params_have_scaled_gradients:
@@ -121,5 +123,6 @@ def scale_loss(
             scaler.update(flag)
             for record in records:
                 record.pending.append((loss_id, flag))
+        scaler.count_pass()
     finally:
         amp_state.cast_cache.clear()

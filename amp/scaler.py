@@ -56,6 +56,9 @@ class LossScaler:
         self._inv = None  # 1 / scale, kept next to it: one op per update, none per unscale
         self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
         self._static_inv = {}  # device -> 1 / scale for static scalers
+        # Backward passes a static scaler unscaled: what apex's `_unskipped` counted for it, kept
+        # only for amp._amp_state (amp.state_dict() reports 0, see apex_compat).
+        self.static_passes = 0
 
     @property
     def is_identity(self):
@@ -105,6 +108,16 @@ class LossScaler:
         # patches: its own arithmetic stays out of the user's casts and traces.
         self._inv.copy_(scale).reciprocal_()
 
+    def count_pass(self):
+        """Note a backward pass this scaler scaled and unscaled (static scalers only count)."""
+        if not self.dynamic:
+            self.static_passes += 1
+
+    def set_loss_scale(self, value, what="the loss scale"):
+        """Make `value` the scale the next `scale_loss` uses (validated; on error nothing changes)."""
+        value = check_loss_scale(value, what)
+        self.load_state_dict({"loss_scale": value, "unskipped": self.unskipped()})
+
     def loss_scale(self):
         """The current scale as a float (reads the device: a sync on CUDA)."""
         return self._init_scale if self._scale is None else self._scale.item()
@@ -127,6 +140,26 @@ class LossScaler:
             self._unskipped.fill_(self._init_unskipped)
 
 
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+def check_loss_scale(value, what):
+    """`value` as a float if it is a loss scale float32 holds exactly enough to use (finite,
+    positive, normal); else a ValueError naming `what`."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and _FLOAT32.tiny <= value <= _FLOAT32.max)
+    ):
+        raise ValueError(
+            f"{what} must be a finite positive number that float32 holds (between "
+            f"{_FLOAT32.tiny:.3g} and {_FLOAT32.max:.3g}); got {value!r}."
+        )
+    return float(value)
+
+
 def check_state(key, state):
     """Raise a clear error if `state` is not a loss scaler entry {"loss_scale", "unskipped"}."""
     if not isinstance(state, dict):
@@ -142,15 +175,7 @@ def check_state(key, state):
         scale = scale.item()
     if isinstance(unskipped, torch.Tensor):
         unskipped = unskipped.item()
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not (math.isfinite(scale) and scale > 0)
-    ):
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['loss_scale'] must be a finite positive number; "
-            f"got {state['loss_scale']!r}."
-        )
+    check_loss_scale(scale, f"amp.load_state_dict: {key!r}['loss_scale']")
     if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
         raise ValueError(
             f"amp.load_state_dict: {key!r}['unskipped'] must be a non-negative int; "
