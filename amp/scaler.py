@@ -116,6 +116,12 @@ class LossScaler:
     def set_loss_scale(self, value, what="the loss scale"):
         """Make `value` the scale the next `scale_loss` uses (validated; on error nothing changes)."""
         value = check_loss_scale(value, what)
+        low, high = self.min_loss_scale, self.max_loss_scale
+        if self.dynamic and not ((low is None or low <= value) and (high is None or value <= high)):
+            raise ValueError(
+                f"{what} must lie within min_loss_scale={low} and max_loss_scale={high}, the "
+                f"bounds of this dynamic scaler (amp.initialize sets them); got {value!r}."
+            )
         self.load_state_dict({"loss_scale": value, "unskipped": self.unskipped()})
 
     def loss_scale(self):
