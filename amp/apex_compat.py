@@ -64,6 +64,13 @@ def require_optimizer_like(obj, where):
         )
 
 
+def wrapped_optimizers(obj):
+    """The torch optimizers an optimizer wrapper holds as attributes (LARC's `optim`)."""
+    if isinstance(obj, torch.optim.Optimizer) or not hasattr(obj, "__dict__"):
+        return []
+    return [value for value in vars(obj).values() if isinstance(value, torch.optim.Optimizer)]
+
+
 # -- amp._amp_state ---------------------------------------------------------------------------
 
 # apex's Properties() before initialize, and after initialize(enabled=False).

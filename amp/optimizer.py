@@ -9,7 +9,7 @@ import torch
 
 from . import kernels
 from ._state import amp_state, logger
-from .apex_compat import require_optimizer_like
+from .apex_compat import require_optimizer_like, wrapped_optimizers
 from .autocast import policy_scope
 from .diagnostics import OverflowReport
 
@@ -237,10 +237,13 @@ class OptimizerRecord:
         return [(loss_id, flag) for loss_id, flag in pending if flag.is_set()]
 
     def _skip(self, overflowed):
+        # The user did call step(): an LR scheduler made before amp.initialize, or one on the
+        # torch optimizer a wrapper holds (LARC), must not warn that its step() came first.
         if getattr(self.originals["step"], "_wrapped_by_lr_sched", False):
-            # The user did call step(): an LR scheduler made before amp.initialize must not warn
-            # that its step() came first.
             self.optimizer._opt_called = True
+        for inner in wrapped_optimizers(self.optimizer):
+            if getattr(inner.step, "_wrapped_by_lr_sched", False):
+                inner._opt_called = True
         grads = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
         grads += [
             (master, master.grad) for _, master in self.master_pairs if master.grad is not None

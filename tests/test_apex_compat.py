@@ -393,3 +393,22 @@ def test_a_wrapper_without_add_param_group_is_accepted():
         assert not hasattr(optimizer, "add_param_group")
     finally:
         amp.deinitialize()
+
+
+def test_a_scheduler_on_the_wrapped_optimizer_does_not_warn_when_the_first_step_is_skipped(
+    recwarn,
+):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = TrustRatio(inner)
+    amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1)  # as with apex's LARC
+    try:
+        with amp.scale_loss(loss_of(model) * float("inf"), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()  # skipped
+        scheduler.step()
+        assert optimizer.steps_taken == 0
+        assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    finally:
+        amp.deinitialize()
