@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import device_argument, progress  # noqa: E402
 
 import amp  # noqa: E402
-from amp import hardware  # noqa: E402
 
 BATCH_SIZE = 64
 GROWTH_INTERVAL = 25  # the GradScaler run's; amp.initialize uses apex's 2000
@@ -237,6 +236,7 @@ def measure_matmul(device, dtypes):
 
 def explain_hardware(device, dtypes):
     """Lines on what the hardware does with low precision, measured, and what that means here."""
+    from amp import hardware
     support = hardware.support(device)
     size, times = measure_matmul(device, dtypes)
     base = times[torch.float32]
