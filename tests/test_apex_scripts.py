@@ -29,7 +29,16 @@ def data(step):
     return torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
 
 
-def run(opt_level, dtype, steps, save_at=None, resume=None, inject_at=None, use_amp=True):
+def run(
+    opt_level,
+    dtype,
+    steps,
+    save_at=None,
+    resume=None,
+    inject_at=None,
+    use_amp=True,
+    zero="optimizer",
+):
     """The script. Returns what the tests look at; `resume` is a checkpoint to start from."""
     model0, model1 = make_model(0), make_model(1)
     optimizer0 = TrustRatio(torch.optim.SGD(model0.parameters(), lr=0.5, momentum=0.5))
@@ -76,8 +85,15 @@ def run(opt_level, dtype, steps, save_at=None, resume=None, inject_at=None, use_
             optimizer1.step()
             if not use_amp or amp._amp_state.loss_scalers[1]._unskipped != 0:
                 scheduler.step()
-            optimizer0.zero_grad()
-            optimizer1.zero_grad()
+            if zero == "optimizer":
+                optimizer0.zero_grad()
+                optimizer1.zero_grad()
+            elif zero == "model":
+                model0.zero_grad()
+                model1.zero_grad()
+            else:  # as apex's L0 tests also do
+                for param in list(model0.parameters()) + list(model1.parameters()):
+                    param.grad = None
             losses.append(loss0.item() + loss1.item())
             if step + 1 == save_at:
                 buffer = io.BytesIO()
@@ -143,3 +159,14 @@ def test_o0_script_is_plain_pytorch_bit_for_bit():
     for key, value in plain["state"].items():
         assert torch.equal(value, with_amp["state"][key]), key
     assert with_amp["losses"] == plain["losses"]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_apex_script_zeroing_ways_agree(opt_level):
+    """optimizer.zero_grad(), model.zero_grad() or grads set to None, as apex's L0 tests loop."""
+    runs = [
+        run(opt_level, torch.float16, steps=3, zero=way) for way in ("optimizer", "model", "none")
+    ]
+    for other in runs[1:]:
+        for key, value in runs[0]["state"].items():
+            assert torch.equal(value, other["state"][key]), key
