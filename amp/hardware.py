@@ -95,7 +95,7 @@ def cpu_support(capabilities=None):
 
 def _cpu_capabilities():
     get = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
-    if get is not None:  # torch >= 2.8
+    if get is not None:  # recent torch; older ones only name the vector ISA
         return dict(get())
     capability = torch.backends.cpu.get_cpu_capability().lower()  # "AVX2", "AVX512", "DEFAULT"
     return {"cpu_name": capability, "architecture": "x86_64"}
