@@ -180,7 +180,10 @@ def plot(results, scaler_run, table, hardware_lines, path, epochs, scaler_start,
         )
         verdict = ": mixed precision is " + ("slower" if 2 * slower > len(runs) - 1 else "faster")
         verdict += " than O0 here (why: 6)"
-    time_axes.set(title=f"5. Time per training step{verdict}", xlabel="ms per step (median)")
+    time_axes.set(
+        title=f"5. Time per training step{verdict}",
+        xlabel="ms per step (the fastest of the run: load elsewhere only adds time)",
+    )
 
     # 6. Why those times: the hardware, read from the machine.
     text_axes.axis("off")
