@@ -412,3 +412,22 @@ def test_a_scheduler_on_the_wrapped_optimizer_does_not_warn_when_the_first_step_
         assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grad_scaler_steps_a_wrapper_and_skips_it_on_overflow(dtype):
+    model = make_model()
+    optimizer = TrustRatio(torch.optim.SGD(model.parameters(), lr=0.5))
+    scaler = amp.GradScaler(init_scale=4.0)
+    for step in range(2):
+        with amp.autocast(dtype=dtype):
+            loss = loss_of(model, step)
+        scaler.scale(loss).backward()
+        if step == 1:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = copy.deepcopy(model.state_dict())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert optimizer.steps_taken == 1 and scaler.get_scale() == 2.0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
