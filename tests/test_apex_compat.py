@@ -188,6 +188,14 @@ def test_unskipped_resets_on_overflow_and_a_write_moves_the_growth(initialized):
     assert scaler._unskipped == 0
 
 
+@pytest.mark.parametrize("scale", [1e39, 1e-39])
+def test_load_state_dict_refuses_a_scale_float32_cannot_hold(initialized, scale):
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match="float32 holds"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": scale, "unskipped": 0}})
+    assert amp.state_dict() == before
+
+
 def test_a_static_count_loaded_from_apex_continues(initialized):
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 500}})
     assert amp._amp_state.loss_scalers[0]._unskipped == 500
