@@ -1,6 +1,7 @@
 """amp: automatic mixed precision for PyTorch, with apex.amp's API and torch.amp's, undoable."""
 
 from . import torch_patches as _torch_patches  # noqa: F401  (sets up the shared patch set)
+from .apex_compat import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
 from .autocast import autocast, custom_bwd, custom_fwd, disable_casts
 from .diagnostics import last_overflow, trace
 from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
@@ -43,3 +44,4 @@ __all__ = [
     "last_overflow",
 ]
 # Not public: amp.kernels (stable interface, used by amp itself), LossScaler, PatchLedger.
+# amp._amp_state is apex's internal state object for scripts that use it (amp/apex_compat.py).

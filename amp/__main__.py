@@ -1,4 +1,5 @@
-"""`python -m amp`: versions, devices, and which kernel backend runs on CUDA tensors (and why)."""
+"""`python -m amp`: versions, devices, what they do with float16/bfloat16, and which kernel backend
+runs on CUDA tensors (and why)."""
 
 import importlib
 import platform
@@ -17,7 +18,7 @@ def report():
     import torch
 
     import amp
-    from amp import kernels, lists
+    from amp import hardware, kernels, lists
 
     lines = [
         f"amp {amp.__version__}",
@@ -36,6 +37,8 @@ def report():
             )
     else:
         lines.append("devices: cpu only (torch.cuda.is_available() is False)")
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    lines.extend(f"low precision on {hardware.support(d).summary()}" for d in devices)
     choice = kernels.cuda_backend()
     lines.append(f"kernel backend on CUDA tensors: {choice.name} ({choice.reason})")
     lines.append("kernel backend on CPU tensors: torch")

@@ -139,7 +139,8 @@ def initialize(
 
     Args:
         models: an ``nn.Module`` or a list of them, not yet wrapped in (Distributed)DataParallel.
-        optimizers: a ``torch.optim.Optimizer``, a list of them, or None.
+        optimizers: a ``torch.optim.Optimizer`` (or an object wrapping one, like apex's LARC:
+            see amp/apex_compat.py), a list of them, or None.
         enabled (bool, default=True): False returns the arguments untouched and makes every
             other amp call a no-op.
         opt_level (str, default="O1"): "O0", "O1", "O2" or "O3" (the letter O).

@@ -5,11 +5,12 @@ import contextlib
 import torch
 
 from ._state import amp_state
+from .apex_compat import is_optimizer_like
 from .scaler import OverflowFlag
 
 
 def _records(optimizers):
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer_like(optimizers):
         optimizers = [optimizers]
     elif not isinstance(optimizers, (list, tuple)):
         raise TypeError(
@@ -126,6 +127,8 @@ def scale_loss(
         flag = None if delay_unscale else OverflowFlag(loss.device)
         for record in records:
             record.stash.commit(flag)
+        if not delay_unscale:
+            scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
         if delay_unscale or not scaler.dynamic or delay_overflow_check:
             return
         _synchronise_across_ranks(flag)

@@ -13,6 +13,7 @@ import torch
 
 from . import kernels, optimizer_state
 from ._state import amp_state
+from .apex_compat import require_optimizer_like
 from .autocast import policy_scope
 from .grad_stash import GradientStash
 from .masters import MasterWeights, match_state_to_params, new_master
@@ -24,11 +25,7 @@ _PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_p
 
 
 def check_optimizer(optimizer, index):
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "amp.initialize: optimizers must be a torch.optim.Optimizer or a list of them; "
-            f"optimizers[{index}] is a {type(optimizer).__name__}."
-        )
+    require_optimizer_like(optimizer, f"amp.initialize: optimizers[{index}]")
     if "_amp_record" in vars(optimizer):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
 
@@ -104,8 +101,10 @@ class OptimizerRecord(MasterWeights):
     def load_state_dict(self, state_dict):
         optimizer_state.load_state_dict(self, state_dict)
 
-    def zero_grad(self, set_to_none=True):
-        self.originals["zero_grad"](set_to_none)
+    def zero_grad(self, *args, **kwargs):
+        # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
+        self.originals["zero_grad"](*args, **kwargs)
+        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
         for model_param, _ in self.master_pairs:
             if set_to_none:
                 model_param.grad = None
@@ -203,6 +202,8 @@ def instrument(optimizer, params_with_masters, names, ledger):
                         optimizer.state[master] = optimizer.state.pop(param)
                     record.add_master(param, master)
     for name in _PATCHED_METHODS:
+        if name == "add_param_group" and not hasattr(optimizer, name):
+            continue  # an optimizer wrapper without it (optional, see apex_compat)
         record.originals[name] = getattr(optimizer, name)
         ledger.patch(
             optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)

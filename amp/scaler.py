@@ -61,6 +61,9 @@ class LossScaler:
         self._inv = None  # 1 / scale, kept next to it: one op per update, none per unscale
         self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
         self._static_inv = {}  # device -> 1 / scale for static scalers
+        # Backward passes a static scaler unscaled: what apex's `_unskipped` counted for it, kept
+        # only for amp._amp_state (amp.state_dict() reports 0, see apex_compat).
+        self.static_passes = 0
 
     @property
     def is_identity(self):
@@ -109,6 +112,22 @@ class LossScaler:
         # patches: its own arithmetic stays out of the user's casts and traces.
         self._inv.copy_(scale).reciprocal_()
 
+    def count_pass(self):
+        """Note a backward pass this scaler scaled and unscaled (static scalers only count)."""
+        if not self.dynamic:
+            self.static_passes += 1
+
+    def set_loss_scale(self, value, what="the loss scale"):
+        """Make `value` the scale the next `scale_loss` uses (validated; on error nothing changes)."""
+        value = check_loss_scale(value, what)
+        low, high = self.min_loss_scale, self.max_loss_scale
+        if self.dynamic and not ((low is None or low <= value) and (high is None or value <= high)):
+            raise ValueError(
+                f"{what} must lie within min_loss_scale={low} and max_loss_scale={high}, the "
+                f"bounds of this dynamic scaler (amp.initialize sets them); got {value!r}."
+            )
+        self.load_state_dict({"loss_scale": value, "unskipped": self.unskipped()})
+
     def loss_scale(self):
         """The current scale as a float (reads the device: a sync on CUDA)."""
         return self._init_scale if self._scale is None else self._scale.item()
@@ -135,6 +154,23 @@ class LossScaler:
             self._scale.fill_(self._init_scale)
             self._inv.fill_(1.0 / self._init_scale)
             self._unskipped.fill_(self._init_unskipped)
+
+
+def check_loss_scale(value, what):
+    """`value` as a float if it is a loss scale a float32 holds as a normal number (the range
+    every scale amp keeps lies in); else a ValueError naming `what`."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and SCALE_FLOOR <= value <= _FLOAT32_MAX)
+    ):
+        raise ValueError(
+            f"{what} must be a finite positive number that float32 holds (between "
+            f"{SCALE_FLOOR:.3g} and {_FLOAT32_MAX:.3g}); got {value!r}."
+        )
+    return float(value)
 
 
 def _number(key, field, value):

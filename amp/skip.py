@@ -3,6 +3,7 @@
 import torch
 
 from ._state import amp_state, logger
+from .apex_compat import wrapped_optimizers
 from .diagnostics import OverflowReport
 
 
@@ -28,10 +29,13 @@ class SkipDecision:
     def skip(self, overflowed):
         """Skip this step: report where the overflow came from and drop the master gradients."""
         record = self.record
+        # The user did call step(): an LR scheduler made before amp.initialize, or one on the
+        # torch optimizer a wrapper holds (LARC), must not warn that its step() came first.
         if getattr(record.originals["step"], "_wrapped_by_lr_sched", False):
-            # The user did call step(): an LR scheduler made before amp.initialize must not warn
-            # that its step() came first.
             record.optimizer._opt_called = True
+        for inner in wrapped_optimizers(record.optimizer):
+            if getattr(inner.step, "_wrapped_by_lr_sched", False):
+                inner._opt_called = True
         grads = [(p, p.grad) for p in record.plain_params() if p.grad is not None]
         grads += [
             (master, master.grad) for _, master in record.master_pairs if master.grad is not None

@@ -30,16 +30,39 @@ def test_every_example_has_help(script):
 
 
 def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
-    results = demo.main(["--epochs", "1", "--dtypes", "bfloat16", "--out", str(tmp_path)])
+    results = demo.main(
+        ["--epochs", "1", "--dtypes", "bfloat16", "--out", str(tmp_path), "--device", "cpu"]
+    )
     assert [(r["level"], r["dtype"]) for r in results] == [
         ("O0", "float32"),
         ("O1", "bfloat16"),
         ("O2", "bfloat16"),
         ("O3", "bfloat16"),
+        ("GradScaler", "float16"),
     ]
     printed = capsys.readouterr().out
-    assert "accuracy" in printed and "skipped" in printed
-    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    assert printed.startswith("cpu (")  # what this CPU does with float16 and bfloat16, first
+    assert "Measured here: a 256x256 matmul takes float32" in printed
+    assert all(word in printed for word in ("accuracy", "vs O0", "ms per step", "skipped"))
+    assert "torch.nn.functional.linear" in printed and "ran in" in printed  # O1's amp.trace()
+    # The scaler at work: from 2**24 it backs off on overflow, then grows after clean steps.
+    scaler_run = results[-1]
+    scales = [demo.SCALER_START] + scaler_run["scales"]
+    assert any(after < before for before, after in zip(scales, scales[1:]))
+    assert any(after > before for before, after in zip(scales, scales[1:]))
+    assert scaler_run["backoffs"] and scaler_run["growths"]
+    assert scaler_run["skipped"] == len(scaler_run["backoffs"])
+    assert (tmp_path / "demo.png").stat().st_size > 50_000
+
+
+def test_demo_precision_table():
+    table, trace = demo.precision_table(["O0", "O1", "O2", "O3"], torch.float16)
+    assert set(table["O0"].values()) == {"float32"}
+    assert table["O1"]["Linear (matmul)"] == "float16"
+    assert table["O1"]["cross_entropy"] == "float32"
+    assert table["O2"]["Linear (matmul)"] == "float16" and table["O2"]["BatchNorm1d"] == "float32"
+    assert table["O3"]["BatchNorm1d"] == "float16"
+    assert trace.ops().count("torch.nn.functional.linear") == 3
 
 
 def test_mixed_precision_reaches_fp32_accuracy():

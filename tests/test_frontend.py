@@ -325,8 +325,8 @@ def test_load_state_dict_round_trip_and_apex_dicts():
         "loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17},
         "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3},
     }
-    amp.load_state_dict(apex_saved)
-    assert amp.state_dict() == apex_saved
+    amp.load_state_dict(apex_saved)  # apex's entries carry no kind: accepted
+    assert amp.state_dict() == {key: dict(entry, dynamic=True) for key, entry in apex_saved.items()}
     amp.deinitialize()
 
 

@@ -45,6 +45,8 @@ def test_environment_report():
     backend = [line for line in lines if line.startswith("kernel backend on CUDA tensors:")]
     assert backend and "(" in backend[0]  # which backend, and why
     assert any("op tables:" in line for line in lines)
+    low_precision = [line for line in lines if line.startswith("low precision on cpu (")]
+    assert low_precision and "float16" in low_precision[0]  # what the CPU does with it
 
 
 def test_import_touches_neither_cupy_nor_cuda():

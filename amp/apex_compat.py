@@ -1,0 +1,288 @@
+"""apex compatibility: `amp._amp_state` for scripts that reach into apex.amp's internals, and the
+duck-typed optimizer check that lets optimizer wrappers (apex's LARC) through amp.initialize.
+
+Nothing here is amp's own API: these are the apex internals that real training scripts use,
+kept working so that switching from apex is a change of import. Each field is a view of amp's
+state (`amp._state.amp_state` and its `LossScaler`s), never a copy: a write changes what amp
+does next, with amp's validation.
+"""
+
+import torch
+
+from ._state import amp_state
+
+# What amp calls on an optimizer, or reads from it. apex's LARC has all of them, and
+# add_param_group too (optional: amp patches it only where it exists).
+OPTIMIZER_ATTRIBUTES = (
+    "param_groups",
+    "state",
+    "step",
+    "zero_grad",
+    "state_dict",
+    "load_state_dict",
+)
+
+
+def is_optimizer_like(obj):
+    """A torch optimizer, or an object that wraps one and offers what amp calls on it."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    return hasattr(obj, "__dict__") and all(hasattr(obj, name) for name in OPTIMIZER_ATTRIBUTES)
+
+
+def require_optimizer_like(obj, where):
+    """Raise a TypeError naming what `obj` lacks if amp cannot instrument it as an optimizer."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return
+    kind = type(obj).__name__
+    missing = [name for name in OPTIMIZER_ATTRIBUTES if not hasattr(obj, name)]
+    if missing:
+        raise TypeError(
+            f"{where} is a {kind}, which is neither a torch.optim.Optimizer nor an optimizer "
+            f"wrapper: it has no {', '.join(missing)}. amp accepts a torch.optim.Optimizer, or an "
+            "object wrapping one that has param_groups, state, step, zero_grad, state_dict and "
+            "load_state_dict (as apex's LARC has)."
+        )
+    not_callable = [
+        name for name in OPTIMIZER_ATTRIBUTES[2:] if not callable(getattr(obj, name, None))
+    ]
+    if not_callable:
+        raise TypeError(f"{where} is a {kind} whose {', '.join(not_callable)} is not callable.")
+    if not hasattr(obj, "__dict__"):
+        raise TypeError(
+            f"{where} is a {kind} without an instance __dict__ (it uses __slots__): amp sets "
+            "its step, zero_grad and state-dict methods on the optimizer instance. Give the "
+            "wrapper a __dict__, or pass the torch optimizer it wraps."
+        )
+    groups = obj.param_groups
+    if not isinstance(groups, list) or not all(
+        isinstance(group, dict) and "params" in group for group in groups
+    ):
+        raise TypeError(
+            f"{where} is a {kind} whose param_groups is not a list of dicts with 'params' "
+            f"(got {type(groups).__name__}); it must expose the wrapped optimizer's param_groups."
+        )
+
+
+def wrapped_optimizers(obj):
+    """The torch optimizers an optimizer wrapper holds as attributes (LARC's `optim`)."""
+    if isinstance(obj, torch.optim.Optimizer) or not hasattr(obj, "__dict__"):
+        return []
+    return [value for value in vars(obj).values() if isinstance(value, torch.optim.Optimizer)]
+
+
+# -- amp._amp_state ---------------------------------------------------------------------------
+
+# apex's Properties() before initialize, and after initialize(enabled=False).
+_APEX_DEFAULT_OPTIONS = {
+    "enabled": False,
+    "opt_level": None,
+    "cast_model_type": None,
+    "patch_torch_functions": False,
+    "keep_batchnorm_fp32": None,
+    "master_weights": None,
+    "loss_scale": 1.0,
+}
+
+
+def _check_count(value, what):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative int; got {value!r}.")
+    return value
+
+
+class LossScalerView:
+    """apex's LossScaler fields over one of amp's loss scalers.
+
+    `loss_scale()` and `_loss_scale` read the current scale (a device read: a sync on CUDA).
+    Writing `_loss_scale` sets the scale the next `scale_loss` uses, static or dynamic (a
+    dynamic scale then keeps backing off and growing from there); a value that is not finite,
+    positive and within float32's normal range raises ValueError and changes nothing.
+
+    `_unskipped`: for a dynamic scaler, clean steps since the scale last changed (apex's
+    meaning; amp's growth counter). For a static scaler, the backward passes `scale_loss` has
+    unscaled (a static scaler never skips). apex counted those too, except at a static scale of
+    1.0; amp counts them there as well, so the common gate
+    ``if amp._amp_state.loss_scalers[0]._unskipped != 0: scheduler.step()`` steps at every
+    level. (`amp.state_dict()` keeps reporting 0 for static scalers, see CHANGELOG.) Writing
+    `_unskipped` sets that count; for a dynamic scaler it is the growth counter (the scale
+    doubles when it reaches the growth interval, 2000).
+    """
+
+    _WRITABLE = ("_loss_scale", "_unskipped")
+
+    def __init__(self, scaler):
+        object.__setattr__(self, "_amp_scaler", scaler)
+
+    def loss_scale(self):
+        return self._amp_scaler.loss_scale()
+
+    @property
+    def _loss_scale(self):
+        return self._amp_scaler.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value):
+        self._amp_scaler.set_loss_scale(value, "amp._amp_state.loss_scalers[i]._loss_scale")
+
+    @property
+    def _unskipped(self):
+        scaler = self._amp_scaler
+        if scaler.dynamic:
+            return scaler.unskipped()
+        return scaler.unskipped() + scaler.static_passes  # the first term: a loaded apex count
+
+    @_unskipped.setter
+    def _unskipped(self, value):
+        scaler = self._amp_scaler
+        value = _check_count(value, "amp._amp_state.loss_scalers[i]._unskipped")
+        if scaler.dynamic:
+            scaler.load_state_dict({"loss_scale": scaler.loss_scale(), "unskipped": value})
+        else:
+            scaler.load_state_dict({"loss_scale": scaler.loss_scale(), "unskipped": 0})
+            scaler.static_passes = value
+
+    @property
+    def dynamic(self):
+        return self._amp_scaler.dynamic
+
+    @property
+    def _min_loss_scale(self):
+        return self._amp_scaler.min_loss_scale
+
+    @property
+    def _max_loss_scale(self):
+        return self._amp_scaler.max_loss_scale
+
+    @property
+    def _scale_seq_len(self):
+        return self._amp_scaler.growth_interval
+
+    def __setattr__(self, name, value):
+        if name not in self._WRITABLE:
+            raise AttributeError(
+                f"amp._amp_state.loss_scalers[i].{name} cannot be set: amp's apex compatibility "
+                "layer lets scripts write _loss_scale and _unskipped only."
+            )
+        object.__setattr__(self, name, value)
+
+    def __repr__(self):
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScalerView({kind}, loss_scale={self._loss_scale}, unskipped={self._unskipped})"
+
+
+class OptPropertiesView:
+    """apex's `_amp_state.opt_properties`: the options amp.initialize resolved, by attribute.
+
+    Before `amp.initialize`, and after `initialize(enabled=False)`, apex's defaults
+    (`enabled=False`, `loss_scale=1.0`, ...). Read-only: options are set by passing them to
+    `amp.initialize`.
+    """
+
+    def __getattr__(self, name):
+        options = self.options
+        if name in options:
+            return options[name]
+        raise AttributeError(
+            f"amp._amp_state.opt_properties has no {name!r}; it has {', '.join(options)}."
+        )
+
+    @property
+    def options(self):
+        """{option: value} in apex's order, plus amp's `dtype` once initialized."""
+        properties = amp_state.properties
+        if properties is None:
+            return dict(_APEX_DEFAULT_OPTIONS)
+        return dict(properties.options())
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            f"amp._amp_state.opt_properties.{name} cannot be set: pass {name}=... to "
+            "amp.initialize (after amp.deinitialize(), to change an active setup)."
+        )
+
+    def __repr__(self):
+        return "OptPropertiesView(" + ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + ")"
+
+
+class ApexAmpState:
+    """`amp._amp_state`: the fields of apex's `apex.amp._amp_state` that scripts use.
+
+    - `loss_scalers`: a tuple of `LossScalerView`s, one per loss (`num_losses`), built on each
+      read from amp's live scalers: `loss_scale()`, `_loss_scale` (writable), `_unskipped`.
+    - `opt_properties`: the resolved options by attribute (`opt_level`, `loss_scale`, ...).
+    - `verbosity` (writable: 0 silences the skip messages, 2 names the parameters).
+    - `min_loss_scale`, `max_loss_scale`: the bounds of the dynamic scale.
+    - `hard_override`, `allow_incoming_model_not_fp32`: False; amp supports neither, so setting
+      them to True raises rather than being ignored.
+
+    A compatibility layer, not amp's API: new code uses `amp.state_dict()`,
+    `amp.last_overflow()` and `amp.GradScaler.get_scale()`.
+    """
+
+    _UNSUPPORTED_FLAGS = {
+        "hard_override": "amp raises on invalid options; fix the option instead",
+        "allow_incoming_model_not_fp32": (
+            "amp.initialize takes FP32 models and casts them itself (O2/O3); pass the model in FP32"
+        ),
+    }
+
+    @property
+    def loss_scalers(self):
+        return tuple(LossScalerView(scaler) for scaler in amp_state.loss_scalers)
+
+    @property
+    def opt_properties(self):
+        return _OPT_PROPERTIES
+
+    @property
+    def verbosity(self):
+        return amp_state.verbosity
+
+    @verbosity.setter
+    def verbosity(self, value):
+        amp_state.verbosity = _check_count(value, "amp._amp_state.verbosity")
+
+    @property
+    def min_loss_scale(self):
+        scalers = amp_state.loss_scalers
+        return scalers[0].min_loss_scale if scalers else None
+
+    @property
+    def max_loss_scale(self):
+        scalers = amp_state.loss_scalers
+        return scalers[0].max_loss_scale if scalers else 2.0**24
+
+    def __getattr__(self, name):
+        if name in self._UNSUPPORTED_FLAGS:
+            return False
+        hint = " (use amp.deinitialize() to undo O1 patching)" if name == "handle" else ""
+        raise AttributeError(
+            f"amp._amp_state has no {name!r}{hint}. amp's apex compatibility layer provides "
+            "loss_scalers, opt_properties, verbosity, min_loss_scale, max_loss_scale."
+        )
+
+    def __setattr__(self, name, value):
+        if name == "verbosity":
+            object.__setattr__(self, name, value)
+        elif name in self._UNSUPPORTED_FLAGS:
+            if value:
+                raise RuntimeError(
+                    f"amp._amp_state.{name} = True is not supported: "
+                    f"{self._UNSUPPORTED_FLAGS[name]}."
+                )
+        else:
+            raise AttributeError(
+                f"amp._amp_state.{name} cannot be set: of apex's state, scripts may set "
+                "verbosity, loss_scalers[i]._loss_scale and loss_scalers[i]._unskipped."
+            )
+
+    def __repr__(self):
+        return (
+            f"amp._amp_state(loss_scalers={list(self.loss_scalers)}, "
+            f"opt_properties={self.opt_properties!r}, verbosity={self.verbosity})"
+        )
+
+
+_OPT_PROPERTIES = OptPropertiesView()
+apex_amp_state = ApexAmpState()
