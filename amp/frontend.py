@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from . import distributed
 from . import model as model_module
 from . import optimizer as optimizer_module
 from . import properties as properties_module
@@ -200,6 +201,7 @@ def initialize(
             f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}."
         )
     _check_models_and_optimizers(model_list, optimizer_list)
+    distributed.check_engines(model_list, optimizer_list, properties)
 
     ledger = PatchLedger()
     try:
@@ -211,6 +213,7 @@ def initialize(
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)
         ]
+        amp_state.parameter_watch = distributed.watch_parameters(model_list, optimizer_list)
     except BaseException:
         ledger.restore()
         amp_state.reset()

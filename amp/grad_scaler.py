@@ -14,7 +14,7 @@ from collections import abc, defaultdict
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 
 
 class ScalerValueError(ValueError, AssertionError):
@@ -39,6 +39,19 @@ _MISSING_SCALE = (
     "Attempted {} but _scale is None.  This may indicate your script did not use "
     "scaler.scale(loss or outputs) earlier in the iteration."
 )
+
+
+def _agree_across_ranks(found_per_device, found_inf):
+    """Make every rank's flags the MAX over all ranks, with one collective.
+
+    A rank holding no gradient (an empty shard) still takes part, so no rank waits forever.
+    """
+    if not found_per_device:
+        found_per_device[found_inf.device] = found_inf
+    combined = torch.stack([flag.to(found_inf.device) for flag in found_per_device.values()]).amax()
+    distributed.reduce_flag(combined)
+    for flag in found_per_device.values():
+        flag.copy_(combined)
 
 
 class GradScaler:
@@ -158,7 +171,11 @@ class GradScaler:
     # -- unscale and step ------------------------------------------------------------------------
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        """Unscale the optimizer's gradients; return {device: found_inf tensor}."""
+        """Unscale the optimizer's gradients; return {device: found_inf tensor}.
+
+        Distributed, the flags are the MAX over all ranks: every rank steps or skips together
+        and keeps the same scale (one small collective per call).
+        """
         per_device = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -183,8 +200,11 @@ class GradScaler:
             found_per_device = {}
             for device, grads in per_device.items():
                 flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
-                kernels.unscale_(grads, inv_scale.to(device), flag)
+                # FSDP2's gradients are DTensors: unscale and check each rank's shard.
+                kernels.unscale_(distributed.local_tensors(grads), inv_scale.to(device), flag)
                 found_per_device[device] = flag
+            if distributed.is_distributed():
+                _agree_across_ranks(found_per_device, found_inf)
         return found_per_device
 
     def unscale_(self, optimizer):

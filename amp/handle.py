@@ -4,6 +4,7 @@ import contextlib
 
 import torch
 
+from . import distributed
 from ._state import amp_state
 from .scaler import OverflowFlag
 
@@ -28,15 +29,6 @@ def _records(optimizers):
             seen.add(id(record))
             records.append(record)
     return records
-
-
-def _synchronise_across_ranks(flag):
-    # Under DDP every rank must take the same skip decision and scale trajectory, even when only
-    # one rank saw the overflow (e.g. an inf produced after the gradient all-reduce).
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        if distributed.get_world_size() > 1:
-            distributed.all_reduce(flag.tensor, op=distributed.ReduceOp.MAX)
 
 
 @contextlib.contextmanager
@@ -117,7 +109,8 @@ def scale_loss(
             record.unscale_gradients(scaler, flag)
             record.params_have_scaled_gradients = False
         if scaler.dynamic and not delay_overflow_check:
-            _synchronise_across_ranks(flag)
+            # Every rank takes the same skip decision, even when only one saw the overflow.
+            distributed.reduce_flag(flag.tensor)
             scaler.update(flag)
             for record in records:
                 record.pending.append((loss_id, flag))

@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 from ._state import amp_state, logger
 from .autocast import policy_scope
 from .diagnostics import OverflowReport
@@ -59,6 +59,7 @@ class OptimizerRecord:
         self.params_have_scaled_gradients = False  # set by scale_loss(delay_unscale=True)
         self.pending = []  # (loss_id, OverflowFlag) to check at the next step
         self._plain_cache = (None, [])
+        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class OptimizerRecord:
             masters = {id(master) for _, master in self.master_pairs}
             params = [p for group in groups for p in group["params"] if id(p) not in masters]
             self._plain_cache = (signature, params)
+            self.sharded = distributed.has_dtensors(params)
         return params
 
     def param_name(self, param):
@@ -175,6 +177,8 @@ class OptimizerRecord:
         plain = [g for g in map(_grad, params) if g is not None]
         if any(map(_is_sparse, plain)):
             plain = [_dense_values(p, p.grad) for p in params if p.grad is not None]
+        if self.sharded:
+            plain = distributed.local_tensors(plain)
         kernels.unscale_(plain, inv_scale, flag.tensor)
         if self.stash:
             new, kept = [], []
@@ -218,6 +222,7 @@ class OptimizerRecord:
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
                 "closure."
             )
+        distributed.check_parameters("optimizer.step()")
         overflowed = self._take_overflows()
         if overflowed:
             self._skip(overflowed)
@@ -244,11 +249,8 @@ class OptimizerRecord:
             # The user did call step(): an LR scheduler made before amp.initialize must not warn
             # that its step() came first.
             self.optimizer._opt_called = True
-        grads = [(p, p.grad) for p in self.plain_params() if p.grad is not None]
-        grads += [
-            (master, master.grad) for _, master in self.master_pairs if master.grad is not None
-        ]
-        names = self._nonfinite_names(grads)
+        params = self.plain_params() + [master for _, master in self.master_pairs]
+        names = distributed.nonfinite_names(params, self.param_name)
         for _, master in self.master_pairs:
             master.grad = None
         for loss_id, flag in overflowed:
@@ -267,20 +269,6 @@ class OptimizerRecord:
                 message += f"; non-finite gradients in: {', '.join(names) or 'none left'}"
             if amp_state.verbosity >= 1:
                 logger.info(message)
-
-    def _nonfinite_names(self, grads):
-        # Only on a skipped step: one reduction per gradient, one sync per device.
-        if not grads:
-            return ()
-        flags = [(~torch.isfinite(g._values() if g.is_sparse else g)).any() for _, g in grads]
-        by_device = {}
-        for index, flag in enumerate(flags):
-            by_device.setdefault(flag.device, []).append(index)
-        bad = [False] * len(flags)
-        for indices in by_device.values():
-            for index, is_bad in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
-                bad[index] = is_bad
-        return tuple(self.param_name(p) for (p, _), is_bad in zip(grads, bad) if is_bad)
 
     # -- state dict ---------------------------------------------------------------------------
 
@@ -454,6 +442,7 @@ def instrument(optimizer, params_with_masters, names, ledger):
                     if param in optimizer.state:
                         optimizer.state[master] = optimizer.state.pop(param)
                     record.add_master(param, master)
+        distributed.follow_masters(optimizer, record.master_pairs, ledger)
     for name in _PATCHED_METHODS:
         record.originals[name] = getattr(optimizer, name)
         ledger.patch(
