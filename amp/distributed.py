@@ -48,6 +48,12 @@ def reduce_flag(flag):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
 
 
+def local(tensor):
+    """A DTensor's local shard (sharing its storage); any other tensor as it is."""
+    dtensor = _dtensor_class()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
 def local_tensors(tensors):
     """The tensors with every DTensor replaced by its local shard (which shares its storage)."""
     dtensor = _dtensor_class()
@@ -76,7 +82,7 @@ def _entries(param):
     fqns = getattr(param, "_fqns", None)
     if infos is None or fqns is None:
         if grad is not None:
-            grad = local_tensors([grad])[0]
+            grad = local(grad)
             grad = grad._values() if grad.is_sparse else grad
         return [(param, None, grad)]
     found = []

@@ -196,12 +196,13 @@ class GradScaler:
                         if grad.dtype is torch.float16:
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
+                    if type(grad) is not torch.Tensor:  # FSDP2's DTensors: this rank's shard
+                        grad = distributed.local(grad)
                     per_device[grad.device].append(grad)
             found_per_device = {}
             for device, grads in per_device.items():
                 flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
-                # FSDP2's gradients are DTensors: unscale and check each rank's shard.
-                kernels.unscale_(distributed.local_tensors(grads), inv_scale.to(device), flag)
+                kernels.unscale_(grads, inv_scale.to(device), flag)
                 found_per_device[device] = flag
             if distributed.is_distributed():
                 _agree_across_ranks(found_per_device, found_inf)
