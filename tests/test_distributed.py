@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import distributed_helper as helper  # noqa: E402
 
-pytestmark = pytest.mark.slow
+import amp  # noqa: E402
+from amp import distributed  # noqa: E402
 
 # Two ranks vs one process: the same arithmetic but for the order of the gradient sums (per-rank
 # backward passes averaged by the engine, in FP16 under DDP at O2, vs one backward over the global
@@ -33,6 +34,140 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A default process group of one rank (what ZeroRedundancyOptimizer needs to exist)."""
+    store = tmp_path_factory.mktemp("store") / "store"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def count_collectives(monkeypatch):
+    """Pretend to be one of several ranks; count the all_reduce calls amp makes."""
+    calls = []
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: calls.append(op))
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *args: "gloo")
+    return calls
+
+
+def _model_and_optimizer():
+    model = helper.make_model()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _step(model, optimizer, scaler=None):
+    inputs, targets = helper.batches(0)[0][0]
+    if scaler is not None:
+        with amp.autocast(dtype=torch.float16):
+            loss = helper.loss_of(model, inputs, targets, 1)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        with amp.scale_loss(helper.loss_of(model, inputs, targets, 1), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_parameter_replaced_after_initialize_raises_at_step_and_changes_nothing(opt_level):
+    model, optimizer = _model_and_optimizer()
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    try:
+        stepped = [p.detach().clone() for p in amp.master_params(optimizer)]
+        model[2].weight = torch.nn.Parameter(model[2].weight.detach().clone())  # as a wrapper would
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\): the parameter '2.weight'"):
+            _step(model, optimizer)
+        for before, after in zip(stepped, amp.master_params(optimizer)):
+            assert torch.equal(before, after)
+    finally:
+        amp.deinitialize()
+
+
+def test_scale_loss_reduces_the_flag_once_per_step_and_names_once_per_skip(count_collectives):
+    model, optimizer = _model_and_optimizer()
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        _step(model, optimizer)
+        assert len(count_collectives) == 1  # the overflow flag
+        inputs, targets = helper.batches(0)[0][0]
+        with amp.scale_loss(helper.loss_of(model, inputs, targets, 1), optimizer) as scaled:
+            scaled.backward()
+            helper.inject(model[0].weight.grad)
+        optimizer.step()
+        assert len(count_collectives) == 3  # the flag, then the names of the skipped step
+        assert amp.last_overflow().params == ("0.weight",)
+    finally:
+        amp.deinitialize()
+
+
+def test_grad_scaler_reduces_once_per_step_even_without_gradients(count_collectives):
+    model, optimizer = _model_and_optimizer()
+    scaler = amp.GradScaler()
+    _step(model, optimizer, scaler)
+    assert count_collectives == [torch.distributed.ReduceOp.MAX]
+    # A rank whose shard got no gradient still takes part (and does not raise), so no rank hangs.
+    scaler.scale(torch.ones((), requires_grad=True)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert len(count_collectives) == 2
+
+
+def test_no_collective_in_one_process(one_rank_group, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: pytest.fail())
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer, amp.GradScaler())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        _step(model, optimizer)
+    finally:
+        amp.deinitialize()
+
+
+def test_zero_at_o2_steps_the_masters_and_deinitialize_gives_its_parameters_back(one_rank_group):
+    model = helper.make_model()
+    optimizer = helper.make_optimizer(model.parameters(), zero=True)
+    own = list(model.parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        masters = list(amp.master_params(optimizer))
+        before = [m.detach().clone() for m in masters]
+        _step(model, optimizer)
+        assert all(not torch.equal(b, m) for b, m in zip(before, masters))
+        assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters))
+    finally:
+        amp.deinitialize()
+    own = list(map(id, own))
+    assert list(map(id, optimizer._all_params)) == own
+    local = optimizer.optim  # this rank's partition, ordered by size
+    assert sorted(id(p) for g in local.param_groups for p in g["params"]) == sorted(own)
+    assert sorted(map(id, local.state)) == sorted(own)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    weight = model[0].weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(weight, model[0].weight)
+
+
+def test_zero_with_bucket_views_is_refused_at_o2(one_rank_group):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = helper.make_model()
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, lr=0.1, parameters_as_bucket_view=True
+    )
+    with pytest.raises(RuntimeError, match="parameters_as_bucket_view=True"):
+        amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    assert all(p.dtype is torch.float32 for p in model.parameters())
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +205,7 @@ def _results(ranks, key):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, mode", helper.SCENARIOS)
 def test_ranks_agree_and_match_one_process(ranks, engine, mode):
     rank0, rank1 = _results(ranks, (engine, mode))
@@ -98,6 +234,7 @@ def test_ranks_agree_and_match_one_process(ranks, engine, mode):
         torch.testing.assert_close(value, expected["momentum"][name], **TOLERANCE, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, mode, order", helper.REFUSED)
 def test_o2_with_fsdp_is_refused_and_changes_nothing(ranks, engine, mode, order):
     for result in _results(ranks, (engine, mode, order)):
