@@ -22,9 +22,15 @@ import amp  # noqa: E402
 
 ENGINES = ["ddp", "fsdp2", "fsdp1", "zero"]
 MODES = ["O1", "O2", "scaler"]
-# O2 with FSDP is refused by design (amp.initialize after the wrapper, or the wrapper after it).
+# O2 and O3 with FSDP are refused by design: amp.initialize after the wrapper, or the wrapper
+# after amp.initialize.
 SCENARIOS = [(e, m) for e in ENGINES for m in MODES if not (e.startswith("fsdp") and m == "O2")]
-REFUSED = [(engine, "O2", order) for engine in ("fsdp2", "fsdp1") for order in ("after", "before")]
+REFUSED = [
+    (engine, level, order)
+    for engine in ("fsdp2", "fsdp1")
+    for level in ("O2", "O3")
+    for order in ("after", "before")
+]
 STEPS, OVERFLOW_STEP, WORLD, BATCH, MICRO = 5, 2, 2, 8, 2  # MICRO: accumulated micro-batches
 
 
@@ -199,8 +205,8 @@ def full_momentum(engine, model, optimizer):
     return found
 
 
-def refused(engine, order):
-    """The error amp raises for O2 with a sharded model, wrapped `order` amp.initialize."""
+def refused(engine, level, order):
+    """The error amp raises for `level` with a sharded model, wrapped `order` amp.initialize."""
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     def wrap(model):
@@ -215,10 +221,10 @@ def refused(engine, order):
         if order == "after":
             model = wrap(model)
             optimizer = make_optimizer(model.parameters())
-            amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+            amp.initialize(model, optimizer, opt_level=level, verbosity=0)
         else:
             optimizer = make_optimizer(model.parameters())
-            model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+            model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
             model = wrap(model)
             inputs, targets = micro_batches("fsdp", 0, 0)[0]
             with amp.scale_loss(loss_of(model, inputs, targets, 1), optimizer) as scaled:
@@ -226,10 +232,10 @@ def refused(engine, order):
             optimizer.step()
     except RuntimeError as error:
         if order == "after":  # nothing was cast: the model's own parameters are as they were
-            now = full_params(engine, "O2", model)
-        else:  # the step raised before the optimizer moved amp's FP32 masters
+            now = full_params(engine, level, model)
+        else:  # the step raised before the optimizer moved what it steps (O3: the FP16 model)
             now = dict(zip(before, amp.master_params(optimizer)))
-        unchanged = all(torch.equal(now[name], before[name]) for name in now)
+        unchanged = all(torch.equal(now[name], before[name].to(now[name].dtype)) for name in now)
         return {"error": str(error), "unchanged": unchanged, "compared": sorted(now)}
     return {"error": None}
 
@@ -295,7 +301,7 @@ def main(out):
             amp.deinitialize()
     for engine, mode, order in REFUSED:
         try:
-            results[(engine, mode, order)] = refused(engine, order)
+            results[(engine, mode, order)] = refused(engine, mode, order)
         except Exception:
             results[(engine, mode, order)] = {"crash": traceback.format_exc()}
         finally:

@@ -236,7 +236,7 @@ def test_ranks_agree_and_match_one_process(ranks, engine, mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine, mode, order", helper.REFUSED)
-def test_o2_with_fsdp_is_refused_and_changes_nothing(ranks, engine, mode, order):
+def test_o2_o3_with_fsdp_are_refused_and_change_nothing(ranks, engine, mode, order):
     for result in _results(ranks, (engine, mode, order)):
         message = result["error"]
         assert message is not None, "trained without an error"
