@@ -18,16 +18,16 @@ import torch
 from ._state import amp_state
 
 _SUPPORTED_ROUTES = (
-    "Supported: opt_level='O1' (fully_shard or FullyShardedDataParallel first, then the "
-    "optimizer, then amp.initialize), or the engine's own low-precision parameters "
-    "(fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)) or "
-    "FullyShardedDataParallel(mixed_precision=MixedPrecision(...))) with amp.GradScaler."
+    "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'); or, "
+    "for low-precision parameters, the engine's own mixed precision "
+    "(fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)), or "
+    "FullyShardedDataParallel(mixed_precision=MixedPrecision(...))) with amp.GradScaler and no "
+    "amp.initialize."
 )
 
 
 def _dtensor_class():
-    # No DTensor can exist before torch.distributed.tensor is imported; importing it here would
-    # cost every user of amp.
+    # No DTensor exists before torch.distributed.tensor is imported: look, never import.
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
 
@@ -46,6 +46,22 @@ def reduce_flag(flag):
     """Make a float32 overflow flag the MAX over all ranks, in place (a no-op in one process)."""
     if is_distributed():
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+
+
+def agree_on_flags(found_per_device, found_inf):
+    """Make GradScaler's found-inf flags ({device: flag}) the MAX over all ranks, in one
+    collective; a no-op in one process.
+
+    A rank holding no gradient (an empty shard) still takes part, so no rank waits forever.
+    """
+    if not is_distributed():
+        return
+    if not found_per_device:
+        found_per_device[found_inf.device] = found_inf
+    combined = torch.stack([flag.to(found_inf.device) for flag in found_per_device.values()]).amax()
+    reduce_flag(combined)
+    for flag in found_per_device.values():
+        flag.copy_(combined)
 
 
 def local(tensor):
@@ -168,8 +184,8 @@ def check_engines(models, optimizers, properties):
             raise RuntimeError(
                 f"amp.initialize: models[{index}] is sharded by {engine}, and opt_level="
                 f"{properties.opt_level!r} casts the model to {properties.cast_model_type}: "
-                "amp's casts and FP32 master weights would act on the shards the engine "
-                "replaces, and the model would not train. " + _SUPPORTED_ROUTES
+                "amp's casts and FP32 master weights cannot follow the engine's shards (which, "
+                "kept in FP32, already are master weights). " + _SUPPORTED_ROUTES
             )
     zero = _zero_class()
     if zero is None or not properties.master_weights:
@@ -229,8 +245,7 @@ class ParameterWatch:
                 "at amp.initialize (the model now holds "
                 f"{'nothing' if current is None else type(current).__name__} there): a wrapper "
                 "such as fully_shard or FullyShardedDataParallel, or an assignment, replaced it "
-                "afterwards, and this step would update tensors the model no longer uses. Apply "
-                "the wrapper first, then create the optimizer, then call amp.initialize. "
+                "afterwards, so this step would update tensors the model no longer uses. "
                 + _SUPPORTED_ROUTES
             )
 

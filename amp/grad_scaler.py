@@ -3,7 +3,9 @@
 Given the same inputs it follows the same scale trajectory and produces the same parameters as
 `torch.amp.GradScaler`. Differences, all deliberate: the device comes from the tensors scaled
 (`GradScaler()` works on CPU instead of disabling itself), `update(new_scale)` accepts an int,
-and the errors torch raises as AssertionError are also ValueError / RuntimeError.
+the errors torch raises as AssertionError are also ValueError / RuntimeError, and under
+torch.distributed the found-inf flags are reduced across ranks (as torch's ShardedGradScaler
+does), with FSDP2's DTensor gradients unscaled through their local shards.
 """
 
 import enum
@@ -39,19 +41,6 @@ _MISSING_SCALE = (
     "Attempted {} but _scale is None.  This may indicate your script did not use "
     "scaler.scale(loss or outputs) earlier in the iteration."
 )
-
-
-def _agree_across_ranks(found_per_device, found_inf):
-    """Make every rank's flags the MAX over all ranks, with one collective.
-
-    A rank holding no gradient (an empty shard) still takes part, so no rank waits forever.
-    """
-    if not found_per_device:
-        found_per_device[found_inf.device] = found_inf
-    combined = torch.stack([flag.to(found_inf.device) for flag in found_per_device.values()]).amax()
-    distributed.reduce_flag(combined)
-    for flag in found_per_device.values():
-        flag.copy_(combined)
 
 
 class GradScaler:
@@ -204,8 +193,7 @@ class GradScaler:
                 flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
                 kernels.unscale_(grads, inv_scale.to(device), flag)
                 found_per_device[device] = flag
-            if distributed.is_distributed():
-                _agree_across_ranks(found_per_device, found_inf)
+            distributed.agree_on_flags(found_per_device, found_inf)
         return found_per_device
 
     def unscale_(self, optimizer):

@@ -25,12 +25,15 @@ MODES = ["O1", "O2", "scaler"]
 # O2 and O3 with FSDP are refused by design: amp.initialize after the wrapper, or the wrapper
 # after amp.initialize.
 SCENARIOS = [(e, m) for e in ENGINES for m in MODES if not (e.startswith("fsdp") and m == "O2")]
+SCENARIOS.append(("fsdp1_orig", "O1"))  # FSDP1 with use_orig_params=True
 REFUSED = [
     (engine, level, order)
     for engine in ("fsdp2", "fsdp1")
     for level in ("O2", "O3")
     for order in ("after", "before")
 ]
+# At O1 too, a wrapper applied after amp.initialize is caught at the first step.
+REFUSED += [(engine, "O1", "before") for engine in ("fsdp2", "fsdp1")]
 STEPS, OVERFLOW_STEP, WORLD, BATCH, MICRO = 5, 2, 2, 8, 2  # MICRO: accumulated micro-batches
 
 
@@ -104,7 +107,10 @@ def build(engine, mode):
         if scaler is not None:
             mixed = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
         model = FullyShardedDataParallel(
-            model, device_id=torch.device("cpu"), mixed_precision=mixed
+            model,
+            device_id=torch.device("cpu"),
+            mixed_precision=mixed,
+            use_orig_params=engine == "fsdp1_orig",
         )
     optimizer = make_optimizer(model.parameters())
     if scaler is None:
@@ -168,7 +174,7 @@ def _clean(name):
 
 def full_params(engine, mode, model):
     """{name: FP32 value}: the FP32 masters at O2, gathered shards under FSDP."""
-    if engine == "fsdp1":
+    if engine.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with FullyShardedDataParallel.summon_full_params(model):
@@ -181,7 +187,7 @@ def full_params(engine, mode, model):
 
 def full_momentum(engine, model, optimizer):
     """{name: momentum buffer}: every buffer under DDP and FSDP, this rank's partition under ZeRO."""
-    if engine == "fsdp1":
+    if engine.startswith("fsdp1"):
         from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import StateDictType
