@@ -26,6 +26,7 @@ MODES = ["O1", "O2", "scaler"]
 # after amp.initialize.
 SCENARIOS = [(e, m) for e in ENGINES for m in MODES if not (e.startswith("fsdp") and m == "O2")]
 SCENARIOS.append(("fsdp1_orig", "O1"))  # FSDP1 with use_orig_params=True
+SCENARIOS += [("ddp", "O3"), ("zero", "O3")]  # with dynamic loss scaling (O3's default is 1.0)
 REFUSED = [
     (engine, level, order)
     for engine in ("fsdp2", "fsdp1")
@@ -81,6 +82,11 @@ def inject(grad):
     _local(grad).view(-1)[0] = float("inf")
 
 
+def initialize(model, optimizer, level):
+    dynamic = {"loss_scale": "dynamic"} if level == "O3" else {}
+    return amp.initialize(model, optimizer, opt_level=level, verbosity=0, **dynamic)
+
+
 # -- one distributed scenario ---------------------------------------------------------------------
 
 
@@ -94,7 +100,7 @@ def build(engine, mode):
     if engine in ("ddp", "zero"):
         optimizer = make_optimizer(model.parameters(), zero=engine == "zero")
         if scaler is None:
-            model, optimizer = amp.initialize(model, optimizer, opt_level=mode, verbosity=0)
+            model, optimizer = initialize(model, optimizer, mode)
         return torch.nn.parallel.DistributedDataParallel(model), optimizer, scaler
     if engine == "fsdp2":
         if scaler is not None:
@@ -259,8 +265,7 @@ def reference(engine, mode):
     if mode == "scaler" and engine in ("ddp", "zero"):
         scaler = amp.GradScaler()
     else:
-        level = "O2" if mode == "scaler" else mode
-        model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+        model, optimizer = initialize(model, optimizer, "O2" if mode == "scaler" else mode)
     scales = []
     try:
         for step in range(STEPS):
