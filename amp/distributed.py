@@ -162,7 +162,7 @@ def _collective_device():
 
 
 def _engine(model):
-    """'FSDP2' / 'FSDP1' / 'DTensor' if `model` is sharded by one, else None."""
+    """What shards `model` (FSDP2, FSDP1 or DTensor parameters), in words; None if nothing."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None:
         for module in model.modules():
