@@ -210,44 +210,58 @@ class ParameterWatch:
 
     A wrapper applied after `amp.initialize` (fully_shard, FullyShardedDataParallel) or an
     assignment replaces module parameters: the optimizer (or amp's FP32 masters) would then step
-    tensors the model no longer uses, and training would silently do nothing.
+    tensors the model no longer uses, and training would silently do nothing. A parameter that
+    only moved (torch.nn.utils.parametrize keeps it as `parametrizations.<name>.original`) is
+    still trained: the watch follows it.
     """
 
     def __init__(self, models, optimizers):
         stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
         stepped.update(amp_state.masters)  # O2: the optimizer steps the masters of these
-        self._dicts, self._names, self._params, self._qualified = [], [], [], []
-        for index, model in enumerate(models):
-            prefix = f"model{index}." if len(models) > 1 else ""
-            for module_name, module in model.named_modules(remove_duplicate=False):
-                for name, param in module._parameters.items():
-                    if param is not None and id(param) in stepped:
-                        self._dicts.append(module._parameters)
-                        self._names.append(name)
-                        self._params.append(param)
-                        self._qualified.append(
-                            prefix + (f"{module_name}.{name}" if module_name else name)
-                        )
+        self._models = models
+        places = _places(models)
+        self._params = [place[3] for key, place in places.items() if key in stepped]
+        self._qualified = [place[2] for key, place in places.items() if key in stepped]
+        self._anchor(places)
+
+    def _anchor(self, places):
+        """Remember where each watched parameter is now: (its module's _parameters, its name)."""
+        self._dicts = [
+            places[id(param)][0] if id(param) in places else {} for param in self._params
+        ]
+        self._names = [
+            places[id(param)][1] if id(param) in places else None for param in self._params
+        ]
 
     def check(self, caller):
         # The usual case, every parameter in place, costs C-level lookups only.
         if all(map(operator.is_, map(dict.get, self._dicts, self._names), self._params)):
             return
+        places = _places(self._models)
         dtensor = _dtensor_class()
-        for params, name, param, qualified in zip(
-            self._dicts, self._names, self._params, self._qualified
-        ):
-            current = params.get(name)
-            if current is param or (dtensor is not None and isinstance(param, dtensor)):
-                continue  # FSDP2 registers its unsharded views between forward and reshard
+        for param, qualified in zip(self._params, self._qualified):
+            if id(param) in places or (dtensor is not None and isinstance(param, dtensor)):
+                continue  # moved, or FSDP2's sharded parameter while its unsharded view is in
             raise RuntimeError(
-                f"{caller}: the parameter {_clean(qualified)!r} is no longer the one amp set up "
-                "at amp.initialize (the model now holds "
-                f"{'nothing' if current is None else type(current).__name__} there): a wrapper "
-                "such as fully_shard or FullyShardedDataParallel, or an assignment, replaced it "
-                "afterwards, so this step would update tensors the model no longer uses. "
-                + _SUPPORTED_ROUTES
+                f"{caller}: the parameter {_clean(qualified)!r} that amp set up at "
+                "amp.initialize is no longer in the model: a wrapper such as fully_shard or "
+                "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
+                "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
             )
+        self._anchor(places)
+
+
+def _places(models):
+    """{id(param): (module._parameters, name, qualified name, param)}, first place only."""
+    found = {}
+    for index, model in enumerate(models):
+        prefix = f"model{index}." if len(models) > 1 else ""
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in found:
+                    qualified = prefix + (f"{module_name}.{name}" if module_name else name)
+                    found[id(param)] = (module._parameters, name, qualified, param)
+    return found
 
 
 def watch_parameters(models, optimizers):

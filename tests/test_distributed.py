@@ -87,10 +87,33 @@ def test_a_parameter_replaced_after_initialize_raises_at_step_and_changes_nothin
     try:
         stepped = [p.detach().clone() for p in amp.master_params(optimizer)]
         model[2].weight = torch.nn.Parameter(model[2].weight.detach().clone())  # as a wrapper would
-        with pytest.raises(RuntimeError, match=r"optimizer.step\(\): the parameter '2.weight'"):
+        with pytest.raises(
+            RuntimeError, match=r"optimizer.step\(\): the parameter '2.weight' that amp set up"
+        ):
             _step(model, optimizer)
         for before, after in zip(stepped, amp.master_params(optimizer)):
             assert torch.equal(before, after)
+    finally:
+        amp.deinitialize()
+
+
+def test_a_parameter_that_only_moved_is_followed_and_trained():
+    """torch.nn.utils.parametrize keeps the parameter, under parametrizations.weight.original."""
+
+    class Double(torch.nn.Module):
+        def forward(self, weight):
+            return weight * 2
+
+    model, optimizer = _model_and_optimizer()
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        weight = model[0].weight
+        before = weight.detach().clone()
+        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", Double())
+        assert model[0].parametrizations.weight.original is weight
+        for _ in range(2):
+            _step(model, optimizer)
+        assert not torch.equal(before, weight)
     finally:
         amp.deinitialize()
 
@@ -245,5 +268,5 @@ def test_o2_o3_with_fsdp_are_refused_and_change_nothing(ranks, engine, mode, ord
         if order == "after":
             assert message.startswith("amp.initialize: models[0] is sharded by")
         else:
-            assert message.startswith("optimizer.step(): the parameter '0.weight' is no longer")
+            assert message.startswith("optimizer.step(): the parameter '0.weight' that amp set up")
         assert result["compared"] and result["unchanged"]
