@@ -7,6 +7,7 @@ its gradient (its own shard under FSDP) at OVERFLOW_STEP. `reference(engine, mod
 same global batches in one process, for comparison.
 """
 
+import contextlib
 import datetime
 import os
 import sys
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import amp  # noqa: E402
 
 ENGINES = ["ddp", "fsdp2", "fsdp1", "zero"]
+# "scaler": amp.GradScaler, with amp.autocast (DDP, ZeRO) or the engine's FP16 parameters (FSDP).
 MODES = ["O1", "O2", "scaler"]
 # O2 and O3 with FSDP are refused by design: amp.initialize after the wrapper, or the wrapper
 # after amp.initialize.
@@ -134,7 +136,11 @@ def train(engine, mode, rank):
         before = amp.last_overflow()
         for index, (inputs, targets) in enumerate(pieces):
             last = index == len(pieces) - 1
-            sync = model.no_sync() if not last and engine in ("ddp", "zero") else _nothing()
+            sync = (
+                model.no_sync()
+                if not last and engine in ("ddp", "zero")
+                else contextlib.nullcontext()
+            )
             with sync:
                 if scaler is not None:
                     with amp.autocast(dtype=torch.float16, enabled=engine in ("ddp", "zero")):
@@ -164,14 +170,6 @@ def train(engine, mode, rank):
         "params": full_params(engine, mode, model),
         "momentum": full_momentum(engine, model, optimizer),
     }
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _clean(name):
