@@ -98,6 +98,7 @@ class AmpState:
         self.loss_scalers = []
         self.ledger = None  # patching.PatchLedger of the current initialize
         self.last_overflow = None
+        self.parameter_watch = None  # distributed.ParameterWatch of the optimizers' parameters
 
 
 amp_state = AmpState()

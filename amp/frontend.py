@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from . import distributed
 from . import model as model_module
 from . import native_autocast
 from . import optimizer as optimizer_module
@@ -209,6 +210,7 @@ def initialize(
             "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
         )
     _check_models_and_optimizers(model_list, optimizer_list)
+    distributed.check_engines(model_list, optimizer_list, properties)
 
     ledger = PatchLedger()
     try:
@@ -220,6 +222,7 @@ def initialize(
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)
         ]
+        amp_state.parameter_watch = distributed.watch_parameters(model_list, optimizer_list)
     except BaseException:
         ledger.restore()
         amp_state.reset()

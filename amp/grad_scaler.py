@@ -3,7 +3,9 @@
 Given the same inputs it follows the same scale trajectory and produces the same parameters as
 `torch.amp.GradScaler`. Differences, all deliberate: the device comes from the tensors scaled
 (`GradScaler()` works on CPU instead of disabling itself), `update(new_scale)` accepts an int,
-and the errors torch raises as AssertionError are also ValueError / RuntimeError.
+the errors torch raises as AssertionError are also ValueError / RuntimeError, and under
+torch.distributed the found-inf flags are reduced across ranks (as torch's ShardedGradScaler
+does), with FSDP2's DTensor gradients unscaled through their local shards.
 """
 
 import enum
@@ -14,7 +16,7 @@ from collections import abc, defaultdict
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 
 
 class ScalerValueError(ValueError, AssertionError):
@@ -158,7 +160,11 @@ class GradScaler:
     # -- unscale and step ------------------------------------------------------------------------
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        """Unscale the optimizer's gradients; return {device: found_inf tensor}."""
+        """Unscale the optimizer's gradients; return {device: found_inf tensor}.
+
+        Distributed, the flags are the MAX over all ranks: every rank steps or skips together
+        and keeps the same scale (one small collective per call).
+        """
         per_device = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -179,12 +185,15 @@ class GradScaler:
                         if grad.dtype is torch.float16:
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
+                    if type(grad) is not torch.Tensor:  # FSDP2's DTensors: this rank's shard
+                        grad = distributed.local(grad)
                     per_device[grad.device].append(grad)
             found_per_device = {}
             for device, grads in per_device.items():
                 flag = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
                 kernels.unscale_(grads, inv_scale.to(device), flag)
                 found_per_device[device] = flag
+            distributed.agree_on_flags(found_per_device, found_inf)
         return found_per_device
 
     def unscale_(self, optimizer):

@@ -2,8 +2,8 @@
 
 import contextlib
 
-import torch
 
+from . import distributed
 from ._state import amp_state
 from .apex_compat import is_optimizer_like
 from .scaler import OverflowFlag
@@ -35,15 +35,6 @@ def _records(optimizers):
             seen.add(id(record))
             records.append(record)
     return records
-
-
-def _synchronise_across_ranks(flag):
-    # Under DDP every rank must take the same skip decision and scale trajectory, even when only
-    # one rank saw the overflow (e.g. an inf produced after the gradient all-reduce).
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        if distributed.get_world_size() > 1:
-            distributed.all_reduce(flag.tensor, op=distributed.ReduceOp.MAX)
 
 
 @contextlib.contextmanager
@@ -131,7 +122,8 @@ def scale_loss(
             scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
         if delay_unscale or not scaler.dynamic or delay_overflow_check:
             return
-        _synchronise_across_ranks(flag)
+        # Every rank takes the same skip decision, even when only one saw the overflow.
+        distributed.reduce_flag(flag.tensor)
         for record in amp_state.optimizers:  # blocks still open keep the scale they used
             record.stash.freeze_scale(scaler, flag.tensor.device)
         scaler.update(flag)

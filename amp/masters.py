@@ -3,6 +3,7 @@ parameters, kept in step with the model both ways."""
 
 import torch
 
+from . import distributed
 from ._state import amp_state
 
 
@@ -35,6 +36,7 @@ class MasterWeights:
         self.optimizer = optimizer
         self.master_pairs = []  # (model parameter, FP32 master) for O2
         self._plain_cache = (None, [])
+        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
 
     def add_master(self, param, master):
         self.master_pairs.append((param, master))
@@ -82,6 +84,7 @@ class MasterWeights:
             masters = {id(master) for _, master in self.master_pairs}
             params = [p for group in groups for p in group["params"] if id(p) not in masters]
             self._plain_cache = (signature, params)
+            self.sharded = distributed.has_dtensors(params)  # FSDP2: unscale the local shards
         return params  # shared: callers do not modify it
 
     def forget_param_groups(self):

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from . import kernels, optimizer_state
+from . import distributed, kernels, optimizer_state
 from ._state import amp_state
 from .apex_compat import require_optimizer_like
 from .autocast import policy_scope
@@ -63,6 +63,7 @@ class OptimizerRecord(MasterWeights):
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
                 "closure."
             )
+        distributed.check_parameters("optimizer.step()")
         if self.stash.frames:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`; the gradients "
@@ -201,6 +202,7 @@ def instrument(optimizer, params_with_masters, names, ledger):
                     if param in optimizer.state:
                         optimizer.state[master] = optimizer.state.pop(param)
                     record.add_master(param, master)
+        distributed.follow_masters(optimizer, record.master_pairs, ledger)
     for name in _PATCHED_METHODS:
         if name == "add_param_group" and not hasattr(optimizer, name):
             continue  # an optimizer wrapper without it (optional, see apex_compat)

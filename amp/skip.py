@@ -1,7 +1,6 @@
 """Skipped steps: an optimizer's pending overflow flags, and the report of a step they skip."""
 
-import torch
-
+from . import distributed
 from ._state import amp_state, logger
 from .apex_compat import wrapped_optimizers
 from .diagnostics import OverflowReport
@@ -36,11 +35,8 @@ class SkipDecision:
         for inner in wrapped_optimizers(record.optimizer):
             if getattr(inner.step, "_wrapped_by_lr_sched", False):
                 inner._opt_called = True
-        grads = [(p, p.grad) for p in record.plain_params() if p.grad is not None]
-        grads += [
-            (master, master.grad) for _, master in record.master_pairs if master.grad is not None
-        ]
-        names = self._nonfinite_names(grads)
+        params = record.plain_params() + [master for _, master in record.master_pairs]
+        names = distributed.nonfinite_names(params, record.param_name)
         for _, master in record.master_pairs:
             master.grad = None
         for loss_id, flag in overflowed:
@@ -59,17 +55,3 @@ class SkipDecision:
                 message += f"; non-finite gradients in: {', '.join(names) or 'none left'}"
             if amp_state.verbosity >= 1:
                 logger.info(message)
-
-    def _nonfinite_names(self, grads):
-        # Only on a skipped step: one reduction per gradient, one sync per device.
-        if not grads:
-            return ()
-        flags = [(~torch.isfinite(g._values() if g.is_sparse else g)).any() for _, g in grads]
-        by_device = {}
-        for index, flag in enumerate(flags):
-            by_device.setdefault(flag.device, []).append(index)
-        bad = [False] * len(flags)
-        for indices in by_device.values():
-            for index, is_bad in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
-                bad[index] = is_bad
-        return tuple(self.record.param_name(p) for (p, _), is_bad in zip(grads, bad) if is_bad)

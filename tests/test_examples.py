@@ -17,7 +17,15 @@ import gan  # noqa: E402
 import gradients  # noqa: E402
 import transformer_lm  # noqa: E402
 
-SCRIPTS = ["demo.py", "transformer_lm.py", "gan.py", "gradients.py", "checkpoint.py", "ddp.py"]
+SCRIPTS = [
+    "demo.py",
+    "transformer_lm.py",
+    "gan.py",
+    "gradients.py",
+    "checkpoint.py",
+    "ddp.py",
+    "fsdp2.py",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -106,9 +114,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_ddp_ranks_stay_identical_when_one_rank_overflows(tmp_path, opt_level):
-    """Two real processes (gloo): an overflow on rank 1 only is skipped by both ranks."""
+def _torchrun(script, *args):
+    """Run `script` on two gloo ranks with the amp of this checkout (not an installed one)."""
+    root = os.path.dirname(EXAMPLES)
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [
             sys.executable,
@@ -116,28 +125,48 @@ def test_ddp_ranks_stay_identical_when_one_rank_overflows(tmp_path, opt_level):
             "torch.distributed.run",
             "--nproc_per_node=2",
             f"--master_port={_free_port()}",
-            os.path.join(EXAMPLES, "ddp.py"),
+            os.path.join(EXAMPLES, script),
             "--device",
             "cpu",
-            "--opt-level",
-            opt_level,
-            "--steps",
-            "8",
-            "--inject-overflow-rank",
-            "1",
-            "--inject-overflow-step",
-            "3",
-            "--out",
-            str(tmp_path),
+            *args,
         ],
         capture_output=True,
         text=True,
         timeout=240,
+        env=dict(os.environ, PYTHONPATH=path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_ddp_ranks_stay_identical_when_one_rank_overflows(tmp_path, opt_level):
+    """Two real processes (gloo): an overflow on rank 1 only is skipped by both ranks."""
+    _torchrun(
+        "ddp.py",
+        *("--opt-level", opt_level, "--steps", "8"),
+        *("--inject-overflow-rank", "1", "--inject-overflow-step", "3", "--out", str(tmp_path)),
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == [3]
     assert ranks[0]["scales"] == ranks[1]["scales"]
     assert ranks[0]["scales"][3] == ranks[0]["scales"][2] / 2
     for key, value in ranks[0]["model"].items():
+        assert torch.equal(value, ranks[1]["model"][key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["O1", "scaler"])
+def test_fsdp2_ranks_stay_identical_when_one_rank_overflows(tmp_path, recipe):
+    """Two real processes (gloo), FSDP2: an overflow in rank 1's shard only is skipped by both."""
+    _torchrun(
+        "fsdp2.py",
+        *("--recipe", recipe, "--steps", "6"),
+        *("--inject-overflow-rank", "1", "--inject-overflow-step", "3", "--out", str(tmp_path)),
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [3]
+    assert ranks[0]["scales"] == ranks[1]["scales"]
+    assert ranks[0]["scales"][3] == ranks[0]["scales"][2] / 2
+    for key, value in ranks[0]["model"].items():
+        assert value.dtype is torch.float32, key
         assert torch.equal(value, ranks[1]["model"][key]), key

@@ -1,0 +1,312 @@
+"""amp under torch.distributed: ranks that agree, sharded gradients, wrappers amp cannot follow.
+
+- Every rank takes the same skip decision: the overflow flag is reduced (MAX) over the default
+  process group, one small collective per check, none when not distributed.
+- Sharded gradients (FSDP2's DTensors, FSDP1's flat parameters) are unscaled and checked through
+  their local shards, and overflow reports name the original parameters across all shards.
+- What amp cannot support is refused at `amp.initialize` (low-precision model casts of sharded
+  models), and a parameter replaced after `amp.initialize` (a wrapper applied too late) raises at
+  the next step instead of training nothing.
+- ZeroRedundancyOptimizer at O2 steps amp's FP32 masters on each rank's partition.
+"""
+
+import operator
+import sys
+
+import torch
+
+from ._state import amp_state
+
+_SUPPORTED_ROUTES = (
+    "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'); or, "
+    "for low-precision parameters, the engine's own mixed precision "
+    "(fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)), or "
+    "FullyShardedDataParallel(mixed_precision=MixedPrecision(...))) with amp.GradScaler and no "
+    "amp.initialize."
+)
+
+
+def _dtensor_class():
+    # No DTensor exists before torch.distributed.tensor is imported: look, never import.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_distributed():
+    """True when a default process group of more than one rank is initialized."""
+    distributed = torch.distributed
+    return (
+        distributed.is_available()
+        and distributed.is_initialized()
+        and distributed.get_world_size() > 1
+    )
+
+
+def reduce_flag(flag):
+    """Make a float32 overflow flag the MAX over all ranks, in place (a no-op in one process)."""
+    if is_distributed():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+
+
+def agree_on_flags(found_per_device, found_inf):
+    """Make GradScaler's found-inf flags ({device: flag}) the MAX over all ranks, in one
+    collective; a no-op in one process.
+
+    A rank holding no gradient (an empty shard) still takes part, so no rank waits forever.
+    """
+    if not is_distributed():
+        return
+    if not found_per_device:
+        found_per_device[found_inf.device] = found_inf
+    combined = torch.stack([flag.to(found_inf.device) for flag in found_per_device.values()]).amax()
+    reduce_flag(combined)
+    for flag in found_per_device.values():
+        flag.copy_(combined)
+
+
+def local(tensor):
+    """A DTensor's local shard (sharing its storage); any other tensor as it is."""
+    dtensor = _dtensor_class()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
+def local_tensors(tensors):
+    """The tensors with every DTensor replaced by its local shard (which shares its storage)."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+
+def has_dtensors(tensors):
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+# -- overflow reports across shards --------------------------------------------------------------
+
+
+def _clean(name):
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _entries(param):
+    """[(param, original parameter's name or None, local tensor to check or None)]: a flat
+    parameter (FSDP1, use_orig_params=False) has one entry per original parameter."""
+    grad = param.grad
+    infos = getattr(param, "_shard_param_infos", None)
+    fqns = getattr(param, "_fqns", None)
+    if infos is None or fqns is None:
+        if grad is not None:
+            grad = local(grad)
+            grad = grad._values() if grad.is_sparse else grad
+        return [(param, None, grad)]
+    found = []
+    for fqn, info in zip(fqns, infos):
+        piece = None
+        if grad is not None and info.in_shard:
+            start = info.offset_in_shard
+            piece = grad.reshape(-1)[start : start + info.numel_in_shard]
+        found.append((param, fqn, piece))
+    return found
+
+
+def _name(param, fqn, name_of):
+    name = name_of(param)
+    if fqn is not None:  # the flat parameter's module path, then the original's own path
+        prefix = name.rpartition(".")[0]
+        name = f"{prefix}.{fqn}" if prefix else fqn
+    return _clean(name)
+
+
+def nonfinite_names(params, name_of):
+    """The names of `params` whose gradients hold inf or NaN, on any rank.
+
+    Only on a skipped step, which every rank takes together: one reduction per gradient, one
+    host sync, and one small collective (MAX over a flag per entry) when distributed. Every
+    rank lists the same entries in the same order, shards without gradients included.
+    """
+    entries = [entry for param in params for entry in _entries(param)]
+    if not entries:
+        return ()
+    checked = [t for _, _, t in entries if t is not None]
+    distributed = is_distributed()
+    if distributed:
+        device = _collective_device()
+    else:
+        device = checked[0].device if checked else torch.device("cpu")
+    no = torch.zeros((), dtype=torch.bool, device=device)
+    flags = [
+        no if t is None or t.numel() == 0 else (~torch.isfinite(t)).any().to(device)
+        for _, _, t in entries
+    ]
+    bad = torch.stack(flags).float()
+    if distributed:
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    names = []
+    for (param, fqn, _), is_bad in zip(entries, bad.tolist()):
+        if is_bad:
+            name = _name(param, fqn, name_of)
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _collective_device():
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# -- combinations amp refuses --------------------------------------------------------------------
+
+
+def _engine(model):
+    """What shards `model` (FSDP2, FSDP1 or DTensor parameters), in words; None if nothing."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        for module in model.modules():
+            if isinstance(module, fsdp.FSDPModule):
+                return "fully_shard (FSDP2)"
+            if isinstance(module, fsdp.FullyShardedDataParallel):
+                return "FullyShardedDataParallel (FSDP1)"
+    if has_dtensors(model.parameters()):
+        return "DTensor parameters"
+    return None
+
+
+def check_engines(models, optimizers, properties):
+    """Refuse, before anything changes, what amp cannot do on a sharded model or ZeRO."""
+    casts = properties.cast_model_type not in (None, False, torch.float32)
+    for index, model in enumerate(models):
+        engine = _engine(model)
+        if engine is not None and casts:
+            raise RuntimeError(
+                f"amp.initialize: models[{index}] is sharded by {engine}, and opt_level="
+                f"{properties.opt_level!r} casts the model to {properties.cast_model_type}: "
+                "amp's casts and FP32 master weights cannot follow the engine's shards (which, "
+                "kept in FP32, already are master weights). " + _SUPPORTED_ROUTES
+            )
+    zero = _zero_class()
+    if zero is None or not properties.master_weights:
+        return
+    for index, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, zero) and (
+            optimizer.parameters_as_bucket_view or optimizer._overlap_with_ddp
+        ):
+            raise RuntimeError(
+                f"amp.initialize: optimizers[{index}] is a ZeroRedundancyOptimizer with "
+                "parameters_as_bucket_view=True or overlap_with_ddp=True, which amp's FP32 master "
+                f"weights (opt_level={properties.opt_level!r}) cannot take part in. Build it with "
+                "the defaults (both False), or use opt_level='O1'."
+            )
+
+
+# -- parameters replaced after amp.initialize ----------------------------------------------------
+
+
+class ParameterWatch:
+    """Where each parameter amp set up for stepping sits in its model, checked at each step.
+
+    A wrapper applied after `amp.initialize` (fully_shard, FullyShardedDataParallel) or an
+    assignment replaces module parameters: the optimizer (or amp's FP32 masters) would then step
+    tensors the model no longer uses, and training would silently do nothing. A parameter that
+    only moved (torch.nn.utils.parametrize keeps it as `parametrizations.<name>.original`) is
+    still trained: the watch follows it.
+    """
+
+    def __init__(self, models, optimizers):
+        stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        stepped.update(amp_state.masters)  # O2: the optimizer steps the masters of these
+        self._models = models
+        places = _places(models)
+        self._params = [place[3] for key, place in places.items() if key in stepped]
+        self._qualified = [place[2] for key, place in places.items() if key in stepped]
+        self._anchor(places)
+
+    def _anchor(self, places):
+        """Remember where each watched parameter is now: (its module's _parameters, its name)."""
+        self._dicts = [
+            places[id(param)][0] if id(param) in places else {} for param in self._params
+        ]
+        self._names = [
+            places[id(param)][1] if id(param) in places else None for param in self._params
+        ]
+
+    def check(self, caller):
+        # The usual case, every parameter in place, costs C-level lookups only.
+        if all(map(operator.is_, map(dict.get, self._dicts, self._names), self._params)):
+            return
+        places = _places(self._models)
+        dtensor = _dtensor_class()
+        for param, qualified in zip(self._params, self._qualified):
+            if id(param) in places or (dtensor is not None and isinstance(param, dtensor)):
+                continue  # moved, or FSDP2's sharded parameter while its unsharded view is in
+            raise RuntimeError(
+                f"{caller}: the parameter {_clean(qualified)!r} that amp set up at "
+                "amp.initialize is no longer in the model: a wrapper such as fully_shard or "
+                "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
+                "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
+            )
+        self._anchor(places)
+
+
+def _places(models):
+    """{id(param): (module._parameters, name, qualified name, param)}, first place only."""
+    found = {}
+    for index, model in enumerate(models):
+        prefix = f"model{index}." if len(models) > 1 else ""
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in found:
+                    qualified = prefix + (f"{module_name}.{name}" if module_name else name)
+                    found[id(param)] = (module._parameters, name, qualified, param)
+    return found
+
+
+def watch_parameters(models, optimizers):
+    if not optimizers:
+        return None
+    return ParameterWatch(models, optimizers)
+
+
+def check_parameters(caller):
+    watch = amp_state.parameter_watch
+    if watch is not None:
+        watch.check(caller)
+
+
+# -- ZeroRedundancyOptimizer at O2 ---------------------------------------------------------------
+
+
+def _zero_class():
+    module = sys.modules.get("torch.distributed.optim")
+    return None if module is None else getattr(module, "ZeroRedundancyOptimizer", None)
+
+
+def follow_masters(optimizer, pairs, ledger):
+    """Make a ZeroRedundancyOptimizer partition, step and broadcast amp's FP32 masters.
+
+    amp put the masters in `optimizer.param_groups`; ZeRO also keeps every parameter in
+    `_all_params` and its rank's share in a local optimizer, built at construction.
+    """
+    zero = _zero_class()
+    if zero is None or not isinstance(optimizer, zero) or not pairs:
+        return
+    to_master = {id(model_param): master for model_param, master in pairs}
+    to_model = {id(master): model_param for model_param, master in pairs}
+
+    def swap(mapping):
+        optimizer._all_params = [mapping.get(id(p), p) for p in optimizer._all_params]
+        local = optimizer.optim
+        for group in local.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        for old in [p for p in local.state if id(p) in mapping]:
+            local.state[mapping[id(old)]] = local.state.pop(old)
+        optimizer._clear_cache()
+        optimizer._is_trainable_mask = optimizer._get_is_trainable_mask()
+
+    swap(to_master)
+    ledger.add_undo(
+        "ZeroRedundancyOptimizer steps its model parameters again", lambda: swap(to_model)
+    )
