@@ -20,7 +20,7 @@ import operator
 
 import torch
 
-from . import kernels
+from . import distributed, kernels
 from .masters import add_to_master_grad
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
@@ -67,12 +67,13 @@ def _join(pairs):
 
 
 class _Frame:
-    __slots__ = ("scaler", "delay", "taken", "done", "inv")
+    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv")
 
-    def __init__(self, scaler, delay, taken):
+    def __init__(self, scaler, delay, taken, copies=()):
         self.scaler = scaler
         self.delay = delay
-        self.taken = taken  # the gradients present when the block opened
+        self.taken = taken  # the gradients present when the block opened, taken out of `.grad`
+        self.copies = copies  # or, continuing an accumulation, copies of those left in `.grad`
         self.done = []  # unscaled (param, grad) from blocks nested in this one
         self.inv = None  # 1/scale this block's loss was scaled with, if the scale changed since
 
@@ -99,6 +100,14 @@ class GradientStash:
         record = self.record
         if not self.frames and self.scaled_by is None:
             record.follow_external_writes()
+        if not self.frames and self.scaled_by is scaler:
+            # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
+            # as autograd does and as DDP's reducer needs (after no_sync() micro-batches it
+            # all-reduces the whole `.grad`); a copy puts it back if the block raises.
+            holders = [p for p in record.grad_holders() if p.grad is not None]
+            copies = [(param, param.grad.clone()) for param in holders]
+            self.frames.append(_Frame(scaler, delay_unscale, [], copies))
+            return
         self.frames.append(_Frame(scaler, delay_unscale, _take(record.grad_holders())))
 
     def discard(self):
@@ -106,7 +115,7 @@ class GradientStash:
         frame = self.frames.pop()
         for param in self.record.grad_holders():
             param.grad = None
-        for param, grad in frame.taken:
+        for param, grad in frame.taken or frame.copies:
             param.grad = grad
 
     def freeze_scale(self, scaler, device):
@@ -165,6 +174,8 @@ class GradientStash:
             views = grads
             if any(grad.is_sparse or grad.is_complex() for grad in grads):
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
+            if record.sharded:
+                views = distributed.local_tensors(views)
             kernels.unscale_(views, inv_scale, flag.tensor)
         handed = [] if into_masters else _take(params)
         fresh_sources, fresh, add_sources, add_to, later = [], [], [], [], []

@@ -502,3 +502,24 @@ def test_item20_register_on_an_unhashable_namespace(registrations):
         assert namespace.scale(torch.ones(2)).dtype is torch.float16
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_accumulation_backward_adds_to_the_scaled_sum_in_grad(level):
+    """Micro-batches with delay_unscale leave their scaled sum in `.grad`, and the next backward
+    adds to it there, as autograd does: DDP's reducer all-reduces `.grad` after no_sync()
+    micro-batches, and a stash taking the sum out made ranks diverge."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+    try:
+        seen = []
+        model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        x = torch.randn(2, 4)
+        for index in range(3):
+            loss = model(x).float().mean() * 1e-3  # scaled gradients stay finite in FP16
+            with amp.scale_loss(loss, optimizer, delay_unscale=index < 2) as scaled:
+                scaled.backward()
+        assert torch.equal(seen[1], seen[0] * 2) and torch.equal(seen[2], seen[0] * 3)
+    finally:
+        amp.deinitialize()
