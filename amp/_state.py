@@ -83,7 +83,15 @@ class AmpState:
         self.torch_patches = None
         self.user_registrations = Registrations()  # kept across deinitialize
         self.cuda_kernels = None  # amp.kernels.BackendChoice, probed on first use with CUDA
+        # Some thread casts (a region, O1) or traces: only then does a patched call look at its
+        # thread's state (a threading.local read costs about 150 ns; this flag, one attribute).
+        self.active = False
+        self.traces = 0  # amp.trace() blocks open in any thread
         self.reset()
+
+    def refresh_active(self):
+        """Recompute `active` (under `lock`) after a region, an O1 or a trace began or ended."""
+        self.active = self.torch_patches.users > 0 or self.traces > 0
 
     def reset(self):
         self.initialized = False  # amp.initialize was called and not undone

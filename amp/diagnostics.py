@@ -117,11 +117,17 @@ def trace():
     thread = amp_state.thread
     outer = thread.trace
     current = Trace()
+    with amp_state.lock:
+        amp_state.traces += 1
+        amp_state.active = True
     thread.trace = current
     try:
         yield current
     finally:
         thread.trace = outer
+        with amp_state.lock:
+            amp_state.traces -= 1
+            amp_state.refresh_active()
         if outer is not None:
             outer.records.extend(current.records)
 

@@ -41,12 +41,14 @@ class TorchPatches:
                 self._install()
             self._users += 1
             self._kept = True
+            amp_state.active = True
 
     def release(self):
         with amp_state.lock:
             if self._users <= 0:
                 raise RuntimeError("amp's torch patches were released more often than acquired")
             self._users -= 1
+            amp_state.refresh_active()
             if self._users == 0 and not self._kept:
                 self._uninstall()
 

@@ -176,8 +176,11 @@ def make_wrapper(original, kind, name, message=None):
     caster = refuse_low_precision(name, message) if kind == BANNED else CASTERS[kind]
     converter_of = _FAST_CONVERTERS.get(kind)
     thread = amp_state.thread
+    state = amp_state
 
     def amp_wrapper(*args, **kwargs):
+        if not state.active:  # nothing casts or traces anywhere: the original, at once
+            return original(*args, **kwargs)
         policy = thread.policy
         if policy is INHERIT:
             policy = ThreadState.default_policy

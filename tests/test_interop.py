@@ -615,3 +615,20 @@ def test_readers_take_torchs_argument_forms_and_errors():
         with pytest.raises(TypeError) as raised:
             torch.get_autocast_dtype()
         assert str(raised.value).startswith("get_autocast_dtype() missing")  # torch's message
+
+
+def test_patched_calls_look_at_thread_state_only_while_something_casts_or_traces():
+    x = torch.randn(2, 2)
+    with amp.autocast():
+        assert amp_state.active
+    assert not amp_state.active  # patches stay installed; a call goes straight to the original
+    with amp.trace() as trace:  # a trace outside any region still records, as "off"
+        assert amp_state.active
+        torch.mm(x, x)
+    assert [record.policy for record in trace.records] == ["off"] and not amp_state.active
+    amp.initialize(nn.Linear(1, 1), opt_level="O1", verbosity=0)
+    try:
+        assert amp_state.active and torch.mm(x, x).dtype is torch.float16
+    finally:
+        amp.deinitialize()
+    assert not amp_state.active
