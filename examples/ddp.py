@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress  # noqa: E402
+from common import device_argument, progress, report_rank  # noqa: E402
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
@@ -80,16 +80,7 @@ def main(argv=None):
     with torch.no_grad():
         accuracy = (model(test_x).argmax(-1) == test_y).float().mean().item()
     state = {key: value.cpu() for key, value in model.module.state_dict().items()}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        torch.save(
-            {"model": state, "scales": scales, "skipped": skipped, "accuracy": accuracy},
-            os.path.join(args.out, f"rank{rank}.pt"),
-        )
-    print(
-        f"rank {rank}: accuracy {accuracy:.4f}, skipped steps {skipped}, final loss scale {scales[-1]}",
-        flush=True,
-    )
+    report_rank(rank, args.out, state, scales, skipped, accuracy)
     amp.deinitialize()
     dist.destroy_process_group()
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress  # noqa: E402
+from common import device_argument, progress, report_rank  # noqa: E402
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
@@ -115,16 +115,7 @@ def main(argv=None):
         accuracy = (model(test_x).argmax(-1) == test_y).float().mean().item()
     # The FP32 parameters, gathered from the shards (batch-norm statistics stay per rank).
     state = {name: param.full_tensor().cpu() for name, param in model.named_parameters()}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        torch.save(
-            {"model": state, "scales": scales, "skipped": skipped, "accuracy": accuracy},
-            os.path.join(args.out, f"rank{rank}.pt"),
-        )
-    print(
-        f"rank {rank}: accuracy {accuracy:.4f}, skipped steps {skipped}, final loss scale {scales[-1]}",
-        flush=True,
-    )
+    report_rank(rank, args.out, state, scales, skipped, accuracy)
     amp.deinitialize()
     dist.destroy_process_group()
 
