@@ -10,6 +10,7 @@ does next, with amp's validation.
 import torch
 
 from ._state import amp_state
+from .grad_stash import check_scale_can_change
 
 # What amp calls on an optimizer, or reads from it. apex's LARC has all of them, and
 # add_param_group too (optional: amp patches it only where it exists).
@@ -123,7 +124,9 @@ class LossScalerView:
 
     @_loss_scale.setter
     def _loss_scale(self, value):
-        self._amp_scaler.set_loss_scale(value, "amp._amp_state.loss_scalers[i]._loss_scale")
+        what = "amp._amp_state.loss_scalers[i]._loss_scale"
+        check_scale_can_change(self._amp_scaler, what)
+        self._amp_scaler.set_loss_scale(value, what)
 
     @property
     def _unskipped(self):

@@ -14,6 +14,7 @@ from . import optimizer as optimizer_module
 from . import properties as properties_module
 from ._state import ThreadState, amp_state, logger
 from .casts import policy_for
+from .grad_stash import check_scale_can_change
 from .masters import match_state_to_params
 from .patching import PatchLedger
 from .scaler import LossScaler, check_state
@@ -333,6 +334,9 @@ def load_state_dict(state_dict):
         index: check_state(key, state_dict[key], scalers[index] if index < len(scalers) else None)
         for key, index in indices.items()
     }
+    for index in entries:
+        if index < len(scalers):
+            check_scale_can_change(scalers[index], "amp.load_state_dict")
     if len(entries) != len(scalers):
         warnings.warn(
             f"state_dict contains {len(entries)} entries, while {len(scalers)} loss_scalers are used",

@@ -246,6 +246,14 @@ class GradScaler:
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if not state["found_inf_per_device"]:
+            record = getattr(optimizer, "__dict__", {}).get("_amp_record")
+            if record is not None and record.master_pairs:
+                raise ScalerStateError(
+                    "No inf checks were recorded for this optimizer: amp.initialize set it up "
+                    "with FP32 master weights (O2), whose gradients only amp.scale_loss fills. "
+                    "Use `with amp.scale_loss(loss, optimizer)` and optimizer.step() at O2, or "
+                    "amp.GradScaler with amp.autocast and no amp.initialize."
+                )
             raise ScalerStateError("No inf checks were recorded for this optimizer.")
         result = None
         if not sum(flag.item() for flag in state["found_inf_per_device"].values()):

@@ -21,6 +21,7 @@ import operator
 import torch
 
 from . import distributed, kernels
+from ._state import amp_state
 from .masters import add_to_master_grad
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
@@ -160,8 +161,16 @@ class GradientStash:
         _join([(param, grad) for param, grad in extras if id(param) not in master_of])
 
     def reset(self):
-        """zero_grad(): the gradients kept apart go with the ones in `.grad`."""
+        """zero_grad(): the gradients kept apart, and those open blocks took when they opened,
+        go with the ones in `.grad` (a block would otherwise add them back on exit)."""
         self.kept, self.scaled_by = [], None
+        for frame in self.frames:
+            frame.taken, frame.copies, frame.done = [], (), []
+
+    def holds(self, scaler):
+        """Whether gradients scaled by `scaler` wait here to be unscaled (an open block, or an
+        accumulation of delay_unscale blocks)."""
+        return self.scaled_by is scaler or any(frame.scaler is scaler for frame in self.frames)
 
     def _unscale(self, scaler, inv_scale, flag, into_masters):
         """Unscale and check the gradients in `.grad`. into_masters: O2 model gradients go into
@@ -211,3 +220,15 @@ class GradientStash:
         for master, grad in later:
             add_to_master_grad(master, grad)
         return handed
+
+
+def check_scale_can_change(scaler, what):
+    """Raise if gradients scaled by `scaler` wait to be unscaled: they would be unscaled with
+    the new scale. Changes nothing."""
+    if any(record.stash.holds(scaler) for record in amp_state.optimizers):
+        raise RuntimeError(
+            f"{what}: the loss scale cannot change while gradients scaled by it wait to be "
+            "unscaled (inside amp.scale_loss, or between blocks with delay_unscale=True); they "
+            "would be unscaled with the new scale. Change it after the block that unscales "
+            "them, or after optimizer.step()."
+        )

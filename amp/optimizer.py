@@ -80,6 +80,7 @@ class OptimizerRecord(MasterWeights):
         if overflowed:
             self.skips.skip(overflowed)
             return None
+        self.follow_external_writes()  # a write to the model since backward (a mask) is kept
         self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
         with policy_scope(None):  # optimizer arithmetic is never cast
             result = self.originals["step"]()

@@ -174,7 +174,10 @@ def check_loss_scale(value, what):
 
 
 def _number(key, field, value):
-    """A Python number from `value` (a number or a one-element tensor), or a clear error."""
+    """A Python number from `value` (a number, a NumPy scalar or a one-element tensor), or a
+    clear error."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        value = value.item()
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(

@@ -523,3 +523,94 @@ def test_accumulation_backward_adds_to_the_scaled_sum_in_grad(level):
         assert torch.equal(seen[1], seen[0] * 2) and torch.equal(seen[2], seen[0] * 3)
     finally:
         amp.deinitialize()
+
+
+# -- found by a hostile pass over the merged features ------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_zero_grad_inside_a_block_drops_the_earlier_gradients(level):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+    try:
+        x = torch.randn(3, 4)
+        grads = []
+        for _ in range(3):
+            with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
+                optimizer.zero_grad()  # as plain torch loops often do, after the forward
+                scaled.backward()
+            grads.append(next(iter(amp.master_params(optimizer))).grad.clone())
+            optimizer.step()
+        assert torch.equal(grads[2], grads[0])  # each step's own gradient, not their sum
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_the_loss_scale_cannot_change_under_pending_scaled_gradients(delay):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        x = torch.randn(3, 4)
+        saved = amp.state_dict()
+        with amp.scale_loss(model(x).float().mean(), optimizer, delay_unscale=delay) as scaled:
+            scaled.backward()
+            if not delay:
+                with pytest.raises(RuntimeError, match="cannot change while gradients"):
+                    amp._amp_state.loss_scalers[0]._loss_scale = 128.0
+        if delay:  # between the blocks of an accumulation
+            with pytest.raises(RuntimeError, match="cannot change while gradients"):
+                amp._amp_state.loss_scalers[0]._loss_scale = 128.0
+            with pytest.raises(RuntimeError, match="cannot change while gradients"):
+                amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}})
+            with amp.scale_loss(model(x).float().mean(), optimizer) as scaled:
+                scaled.backward()
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == saved["loss_scaler0"]["loss_scale"]
+        optimizer.step()
+        amp._amp_state.loss_scalers[0]._loss_scale = 128.0  # between steps: fine
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 128.0
+    finally:
+        amp.deinitialize()
+
+
+def test_o2_keeps_a_write_to_the_model_between_backward_and_step():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        with amp.scale_loss(model(torch.randn(3, 4)).float().mean(), optimizer) as scaled:
+            scaled.backward()
+        with torch.no_grad():
+            model.weight.fill_(0.5)  # a mask or a constraint, applied before the step
+        optimizer.step()
+        assert (model.weight == 0.5).all()
+        assert (next(iter(amp.master_params(optimizer))) == 0.5).all()
+    finally:
+        amp.deinitialize()
+
+
+def test_a_numpy_scalar_loads_as_a_loss_scale():
+    import numpy as np
+
+    model = torch.nn.Linear(4, 2)
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    try:
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": np.float32(1024), "unskipped": 0}})
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1024.0
+    finally:
+        amp.deinitialize()
+
+
+def test_grad_scaler_on_an_o2_optimizer_says_what_to_use():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        scaler = amp.GradScaler()
+        scaler.scale(model(torch.randn(3, 4)).float().mean()).backward()
+        with pytest.raises(RuntimeError, match="only amp.scale_loss fills"):
+            scaler.step(optimizer)
+    finally:
+        amp.deinitialize()
