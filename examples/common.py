@@ -1,4 +1,5 @@
-"""What the examples share: the --device option, progress bars, a rank's final report."""
+"""What the examples share: the --device option, progress bars, and the distributed examples'
+options, process group and final report."""
 
 import argparse
 import os
@@ -29,3 +30,24 @@ def report_rank(rank, out, state, scales, skipped, accuracy):
         f"rank {rank}: accuracy {accuracy:.4f}, skipped steps {skipped}, final loss scale {scales[-1]}",
         flush=True,
     )
+
+
+def distributed_arguments(parser: argparse.ArgumentParser):
+    """The options ddp.py and fsdp2.py share."""
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--inject-overflow-rank", type=int, default=-1)
+    parser.add_argument("--inject-overflow-step", type=int, default=-1)
+    parser.add_argument("--out", help="folder for each rank's final state (rank<N>.pt)")
+
+
+def init_distributed(device_type):
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPU): (rank, world size, device)."""
+    import torch.distributed as dist
+
+    cuda = device_type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device

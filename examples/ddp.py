@@ -21,7 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress, report_rank  # noqa: E402
+from common import (  # noqa: E402
+    device_argument,
+    distributed_arguments,
+    init_distributed,
+    progress,
+    report_rank,
+)
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
@@ -31,19 +37,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     device_argument(parser)
     parser.add_argument("--opt-level", default="O1", choices=["O0", "O1", "O2", "O3"])
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--inject-overflow-rank", type=int, default=-1)
-    parser.add_argument("--inject-overflow-step", type=int, default=-1)
-    parser.add_argument("--out", help="folder for each rank's final state (rank<N>.pt)")
+    distributed_arguments(parser)
     args = parser.parse_args(argv)
-
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed(args.device)
 
     train_x, train_y, test_x, test_y = load_digits(device)
     torch.manual_seed(1000 + rank)  # different weights per rank; DDP makes them rank 0's
@@ -55,7 +51,9 @@ def main(argv=None):
     model, optimizer = amp.initialize(
         model, optimizer, opt_level=args.opt_level, dtype=getattr(torch, args.dtype), verbosity=0
     )
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None)
+    model = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device] if args.device == "cuda" else None
+    )
 
     scales, skipped = [], []
     generator = torch.Generator().manual_seed(7)  # the same batch order on every rank

@@ -26,7 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress, report_rank  # noqa: E402
+from common import (  # noqa: E402
+    device_argument,
+    distributed_arguments,
+    init_distributed,
+    progress,
+    report_rank,
+)
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
@@ -53,19 +59,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     device_argument(parser)
     parser.add_argument("--recipe", default="O1", choices=["O1", "scaler"])
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--inject-overflow-rank", type=int, default=-1)
-    parser.add_argument("--inject-overflow-step", type=int, default=-1)
-    parser.add_argument("--out", help="folder for each rank's final state (rank<N>.pt)")
+    distributed_arguments(parser)
     args = parser.parse_args(argv)
-
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed(args.device)
     dtype = getattr(torch, args.dtype)
 
     train_x, train_y, test_x, test_y = load_digits(device)
