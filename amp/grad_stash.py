@@ -9,7 +9,9 @@ an exception after backward leaves no trace.
 Outside any block a record's `.grad` are plain gradients, except after a block with
 `delay_unscale=True`: they are then scaled by that block's scaler (`scaled_by`) and the unscaled
 gradients from before are kept apart (`kept`) until a block without delay_unscale unscales the
-scaled sum. A block nested in another on the same optimizer hands its unscaled gradients to the
+scaled sum. A block continuing such an accumulation leaves the scaled sum in `.grad` for its
+backward to add to (DDP all-reduces `.grad` as it is then), keeping a copy to put back if it
+raises. A block nested in another on the same optimizer hands its unscaled gradients to the
 enclosing block, which joins them if it exits normally itself.
 
 O2: the master gradients are the unscaled store. New model gradients are unscaled into them and
