@@ -27,6 +27,7 @@ from ._state import amp_state
 from .masters import add_to_master_grad
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
+_is_sparse = operator.attrgetter("is_sparse")
 
 
 def _take(params):
@@ -183,7 +184,8 @@ class GradientStash:
         grads = [grad for grad in map(_grad, params) if grad is not None]
         if not scaler.is_identity and grads:
             views = grads
-            if any(grad.is_sparse or grad.is_complex() for grad in grads):
+            # C-level checks per gradient (a generator costs a Python frame per parameter).
+            if any(map(_is_sparse, grads)) or any(map(torch.is_complex, grads)):
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
             if record.sharded:
                 views = distributed.local_tensors(views)
