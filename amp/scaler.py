@@ -156,24 +156,7 @@ class LossScaler:
             self._unskipped.fill_(self._init_unskipped)
 
 
-def check_loss_scale(value, what):
-    """`value` as a float if it is a loss scale a float32 holds as a normal number (the range
-    every scale amp keeps lies in); else a ValueError naming `what`."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and SCALE_FLOOR <= value <= _FLOAT32_MAX)
-    ):
-        raise ValueError(
-            f"{what} must be a finite positive number that float32 holds (between "
-            f"{SCALE_FLOOR:.3g} and {_FLOAT32_MAX:.3g}); got {value!r}."
-        )
-    return float(value)
-
-
-def _number(key, field, value):
+def _number(value, what):
     """A Python number from `value` (a number, a NumPy scalar or a one-element tensor), or a
     clear error."""
     if type(value).__module__ == "numpy" and hasattr(value, "item"):
@@ -181,11 +164,29 @@ def _number(key, field, value):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(
-                f"amp.load_state_dict: {key!r}[{field!r}] is a tensor of shape "
+                f"{what} must be a finite positive number, not a tensor of shape "
                 f"{tuple(value.shape)}; expected a number (or a one-element tensor)."
             )
         value = value.item()
     return value
+
+
+def check_loss_scale(value, what):
+    """`value` as a float if it is a loss scale a float32 holds as a normal number (the range
+    every scale amp keeps lies in); else a ValueError naming `what`. Changes nothing."""
+    value = _number(value, what)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
+    if not SCALE_FLOOR <= value <= _FLOAT32_MAX:
+        raise ValueError(
+            f"{what} must be a finite positive number that float32 holds: {value!r} does not fit "
+            f"a float32 loss scale (from {SCALE_FLOOR!r} to {_FLOAT32_MAX!r})."
+        )
+    return float(value)
 
 
 def check_state(key, state, scaler=None):
@@ -204,22 +205,8 @@ def check_state(key, state, scaler=None):
     missing = {"loss_scale", "unskipped"} - set(state)
     if missing:
         raise ValueError(f"amp.load_state_dict: entry {key!r} lacks {sorted(missing)}.")
-    scale = _number(key, "loss_scale", state["loss_scale"])
-    unskipped = _number(key, "unskipped", state["unskipped"])
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not (math.isfinite(scale) and scale > 0)
-    ):
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['loss_scale'] must be a finite positive number; "
-            f"got {state['loss_scale']!r}."
-        )
-    if not SCALE_FLOOR <= scale <= _FLOAT32_MAX:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['loss_scale'] = {scale!r} does not fit a float32 loss "
-            f"scale (from {SCALE_FLOOR!r} to {_FLOAT32_MAX!r}); the checkpoint is damaged."
-        )
+    scale = check_loss_scale(state["loss_scale"], f"amp.load_state_dict: {key!r}['loss_scale']")
+    unskipped = _number(state["unskipped"], f"amp.load_state_dict: {key!r}['unskipped']")
     if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
         raise ValueError(
             f"amp.load_state_dict: {key!r}['unskipped'] must be a non-negative int; "
