@@ -117,11 +117,6 @@ class CastPolicy:
             )
         self.to_fp32 = _converter(_float32, LOW_PRECISION, self.device_filter, None)
 
-    @property
-    def dtype(self):
-        """The low-precision dtype (the CUDA one when the devices differ)."""
-        return self.cuda or self.cpu
-
     def dtype_for(self, device_type):
         """The dtype amp casts to on `device_type`, or None where it casts nothing."""
         if device_type == "cpu":

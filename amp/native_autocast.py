@@ -6,8 +6,6 @@ import torch
 from .casts import DEVICE_TYPES
 
 is_enabled = torch.is_autocast_enabled
-get_dtype = torch.get_autocast_dtype
-is_cache_enabled = torch.is_autocast_cache_enabled
 any_enabled = torch._C._is_any_autocast_enabled
 _set_enabled = torch.set_autocast_enabled
 
