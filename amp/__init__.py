@@ -1,13 +1,8 @@
 """amp: automatic mixed precision for PyTorch, with apex.amp's API and torch.amp's, undoable."""
 
-from . import torch_patches as _torch_patches  # noqa: F401  (sets up the shared patch set)
-from .apex_compat import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
-from .autocast import autocast, custom_bwd, custom_fwd, disable_casts
-from .diagnostics import last_overflow, trace
-from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
-from .grad_scaler import GradScaler
-from .handle import scale_loss
-from .registration import (
+from .casting import torch_patches as _torch_patches  # noqa: F401  (sets up the shared patch set)
+from .casting.autocast import autocast, custom_bwd, custom_fwd, disable_casts
+from .casting.registration import (
     float_function,
     half_function,
     promote_function,
@@ -15,6 +10,12 @@ from .registration import (
     register_half_function,
     register_promote_function,
 )
+from .casting.trace import trace
+from .compat.apex_state import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
+from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
+from .scaling.grad_scaler import GradScaler
+from .scaling.handle import scale_loss
+from .scaling.overflow import last_overflow
 
 __version__ = "0.1.0"
 
@@ -44,4 +45,4 @@ __all__ = [
     "last_overflow",
 ]
 # Not public: amp.kernels (stable interface, used by amp itself), LossScaler, PatchLedger.
-# amp._amp_state is apex's internal state object for scripts that use it (amp/apex_compat.py).
+# amp._amp_state is apex's internal state object for scripts that use it (amp/compat/apex_state.py).

@@ -31,7 +31,7 @@ class ThreadState(threading.local):
 
     def __init__(self):
         self.policy = INHERIT  # this thread's own: a CastPolicy, None (nothing cast) or INHERIT
-        self.trace = None  # the innermost active diagnostics.Trace, or None
+        self.trace = None  # the innermost active casting.trace.Trace, or None
         self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
 
     def current_policy(self):
@@ -77,8 +77,8 @@ class AmpState:
     def __init__(self):
         self.thread = ThreadState()
         self.lock = threading.RLock()
-        # Filled by amp.casts / amp.torch_patches at import; they live here so that there is one
-        # place to look for everything amp keeps between calls.
+        # Filled by casting.casts / casting.torch_patches at import; they live here so that there
+        # is one place to look for everything amp keeps between calls.
         self.cast_cache = None
         self.torch_patches = None
         self.user_registrations = Registrations()  # kept across deinitialize
@@ -99,14 +99,14 @@ class AmpState:
         self.properties = None
         self.verbosity = 1
         self.models = []
-        self.optimizers = []  # optimizer.OptimizerRecord per optimizer, in initialize's order
+        self.optimizers = []  # weights.optimizer.OptimizerRecord per optimizer, in initialize's order
         self.masters = {}  # id(model parameter) -> its FP32 master (O2)
-        self.shadows = {}  # id(cast model parameter) -> its shadows.Shadow (O2)
+        self.shadows = {}  # id(cast model parameter) -> its weights.shadows.Shadow (O2)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
-        self.ledger = None  # patching.PatchLedger of the current initialize
+        self.ledger = None  # casting.patching.PatchLedger of the current initialize
         self.last_overflow = None
-        self.parameter_watch = None  # distributed.ParameterWatch of the optimizers' parameters
+        self.parameter_watch = None  # compat.distributed.ParameterWatch of the optimizers' parameters
 
 
 amp_state = AmpState()

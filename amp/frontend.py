@@ -7,17 +7,16 @@ import warnings
 
 import torch
 
-from . import distributed
-from . import model as model_module
-from . import native_autocast
-from . import optimizer as optimizer_module
 from . import properties as properties_module
 from ._state import ThreadState, amp_state, logger
-from .casts import policy_for
-from .grad_stash import check_scale_can_change
-from .masters import match_state_to_params
-from .patching import PatchLedger
-from .scaler import LossScaler, check_state
+from .casting import native_autocast
+from .casting.casts import policy_for
+from .casting.patching import PatchLedger
+from .compat import distributed
+from .scaling.scaler import LossScaler, check_state
+from .weights import model as model_module
+from .weights import optimizer as optimizer_module
+from .weights.masters import match_state_to_params
 
 _VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)\Z")
@@ -142,7 +141,7 @@ def initialize(
     Args:
         models: an ``nn.Module`` or a list of them, not yet wrapped in (Distributed)DataParallel.
         optimizers: a ``torch.optim.Optimizer`` (or an object wrapping one, like apex's LARC:
-            see amp/apex_compat.py), a list of them, or None.
+            see amp/compat/optimizer_wrappers.py), a list of them, or None.
         enabled (bool, default=True): False returns the arguments untouched and makes every
             other amp call a no-op.
         opt_level (str, default="O1"): "O0", "O1", "O2" or "O3" (the letter O).
@@ -336,7 +335,7 @@ def load_state_dict(state_dict):
     }
     for index in entries:
         if index < len(scalers):
-            check_scale_can_change(scalers[index], "amp.load_state_dict")
+            scalers[index].check_can_change("amp.load_state_dict")
     if len(entries) != len(scalers):
         warnings.warn(
             f"state_dict contains {len(entries)} entries, while {len(scalers)} loss_scalers are used",

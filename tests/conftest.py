@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import amp
-from amp import lists, torch_autocast
+from amp import lists
+from amp.casting import torch_autocast
 from amp._state import INHERIT, ThreadState, amp_state
 
 HAS_CUDA = torch.cuda.is_available()

@@ -77,9 +77,9 @@ def test_torch_state_is_thread_local_like_amps():
 def test_torch_natives_own_state_stays_off():
     """amp never turns on torch's dispatcher-level autocast: backward is not autocast."""
     with amp.autocast(dtype=torch.bfloat16):
-        assert not amp.native_autocast.is_enabled("cpu")
+        assert not amp.casting.native_autocast.is_enabled("cpu")
         with torch.autocast("cpu", dtype=torch.float16):
-            assert not amp.native_autocast.any_enabled()
+            assert not amp.casting.native_autocast.any_enabled()
 
 
 # -- torch.autocast inside amp's casting ---------------------------------------------------------
@@ -132,10 +132,10 @@ def test_a_torch_region_opened_before_amp_is_turned_off_inside_amp():
     with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own region: amp not installed
         with amp.autocast(dtype=torch.float16):
             assert torch.mm(a, a).dtype is torch.float16
-            assert not amp.native_autocast.is_enabled("cpu")
-        assert amp.native_autocast.is_enabled("cpu")
+            assert not amp.casting.native_autocast.is_enabled("cpu")
+        assert amp.casting.native_autocast.is_enabled("cpu")
         assert torch.mm(a, a).dtype is torch.bfloat16  # torch's own casting again
-    assert not amp.native_autocast.is_enabled("cpu")
+    assert not amp.casting.native_autocast.is_enabled("cpu")
 
 
 def test_deinitialize_inside_a_region_waits_for_it():
@@ -565,7 +565,7 @@ def test_torch_autocast_inside_a_graph_run_as_fx_code_is_torchs_own():
         pass  # amp's patches are installed from here on
     compiled = torch.compile(region, backend="eager")
     assert compiled(x).dtype is torch.bfloat16  # as eager torch: the graph's ops are torch's
-    assert not torch.is_autocast_enabled("cpu") and not amp.native_autocast.any_enabled()
+    assert not torch.is_autocast_enabled("cpu") and not amp.casting.native_autocast.any_enabled()
     torch._dynamo.reset()
 
 
@@ -584,7 +584,7 @@ def test_amp_custom_fwd_sees_a_torch_region_opened_before_amp():
 
     with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own: amp not installed
         assert Op.apply(torch.randn(2, 2).bfloat16()) == (torch.float32, False, torch.float32)
-    assert not amp.native_autocast.any_enabled()
+    assert not amp.casting.native_autocast.any_enabled()
 
 
 def test_o1_inside_a_torch_region_opened_before_amp_is_refused():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import amp
-from amp import lists, wrappers
-from amp.casts import cast_tree
+from amp import lists
+from amp.casting.casts import cast_tree
 from conftest import DTYPES
 from op_samples import CUDA_ONLY, LAPACK, NAMESPACE_SAMPLES, SAMPLES, sample
 
@@ -140,12 +140,12 @@ def _assert_same(actual, expected, exact=True):
 
 
 _INPUT_DTYPE = {
-    wrappers.LOWER_PRECISION: lambda low: lambda position: torch.float32,
-    wrappers.FP32: lambda low: lambda position: low,
-    wrappers.PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
-    wrappers.SEQUENCE_PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
+    lists.LOWER_PRECISION: lambda low: lambda position: torch.float32,
+    lists.FP32: lambda low: lambda position: low,
+    lists.PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
+    lists.SEQUENCE_PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
     lists.PROMOTED_BY_TORCH: lambda low: lambda position: torch.float32 if position == 0 else low,
-    wrappers.BANNED: lambda low: lambda position: low,
+    lists.BANNED: lambda low: lambda position: low,
 }
 
 
@@ -156,10 +156,10 @@ def test_entry_runs_in_its_table_dtype(entry, dtype):
         pytest.skip("torch has no CPU kernel for this op")
     torch.manual_seed(0)
     args, kwargs = sample(entry, _maker(_INPUT_DTYPE[entry.kind](dtype)))
-    run_dtype = dtype if entry.kind == wrappers.LOWER_PRECISION else torch.float32
+    run_dtype = dtype if entry.kind == lists.LOWER_PRECISION else torch.float32
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notes of torch.cholesky and friends
-        if entry.kind == wrappers.BANNED:
+        if entry.kind == lists.BANNED:
             with amp.autocast(dtype=dtype):
                 with pytest.raises(
                     NotImplementedError, match="binary_cross_entropy_with_logits|BCEWithLogitsLoss"
@@ -241,8 +241,8 @@ def test_delegating_function_is_wrapped_when_its_delegate_has_another_policy(reg
             out = torch.nn.functional.layer_norm(x, (4,))
     # F.layer_norm keeps its table policy (FP32); the registration rules torch.layer_norm only.
     assert [(record.op, record.policy) for record in trace] == [
-        ("torch.layer_norm", wrappers.LOWER_PRECISION),
-        ("torch.nn.functional.layer_norm", wrappers.FP32),
+        ("torch.layer_norm", lists.LOWER_PRECISION),
+        ("torch.nn.functional.layer_norm", lists.FP32),
     ]
     assert out.dtype is torch.bfloat16
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import amp
-from amp.casts import cast_tree
+from amp.casting.casts import cast_tree
 from conftest import DTYPES
 
 Pair = collections.namedtuple("Pair", "first second")

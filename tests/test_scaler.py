@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from amp.scaler import LossScaler, OverflowFlag, check_state
+from amp.scaling.scaler import LossScaler, OverflowFlag, check_state
 
 
 def apex_trajectory(overflows, init=2.0**16, window=2000, min_scale=None, max_scale=2.0**24):

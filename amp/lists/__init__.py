@@ -3,7 +3,6 @@
 import dataclasses
 import importlib
 
-from ..wrappers import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
 from . import (
     fft_overrides,
     functional_overrides,
@@ -12,6 +11,13 @@ from . import (
     tensor_overrides,
     torch_overrides,
 )
+
+# The policy kinds, one per list of a table; amp/casting/wrappers.py makes a wrapper for each.
+LOWER_PRECISION = "lower_precision"  # FP16_FUNCS: run in the low-precision dtype
+FP32 = "fp32"  # FP32_FUNCS: run in float32
+PROMOTE = "promote"  # CASTS: run in the widest floating type among the arguments
+SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequence argument
+BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
 
 TABLES = (
     torch_overrides,

@@ -3,9 +3,9 @@
 import contextlib
 
 
-from . import distributed
-from ._state import amp_state
-from .apex_compat import is_optimizer_like
+from .._state import amp_state
+from ..compat import distributed
+from ..compat.optimizer_wrappers import is_optimizer_like
 from .scaler import OverflowFlag
 
 

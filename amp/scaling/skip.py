@@ -1,9 +1,9 @@
 """Skipped steps: an optimizer's pending overflow flags, and the report of a step they skip."""
 
-from . import distributed
-from ._state import amp_state, logger
-from .apex_compat import wrapped_optimizers
-from .diagnostics import OverflowReport
+from .._state import amp_state, logger
+from ..compat import distributed
+from ..compat.optimizer_wrappers import wrapped_optimizers
+from .overflow import OverflowReport
 
 
 class SkipDecision:

@@ -1,7 +1,7 @@
 """Optimizer instrumentation: the record amp keeps per optimizer and the methods it patches.
 
 The concerns live in their own modules: master weights (masters.py), the gradient stash of
-scale_loss (grad_stash.py), skipped steps (skip.py) and state dicts with masters
+scale_loss (scaling/grad_stash.py), skipped steps (scaling/skip.py) and state dicts with masters
 (optimizer_state.py). This module ties them to the optimizer's step, zero_grad and
 add_param_group.
 """
@@ -11,13 +11,15 @@ import types
 
 import torch
 
-from . import distributed, kernels, optimizer_state
-from ._state import amp_state
-from .apex_compat import require_optimizer_like
-from .autocast import policy_scope
-from .grad_stash import GradientStash
+from .. import kernels
+from .._state import amp_state
+from ..casting.autocast import policy_scope
+from ..compat import distributed
+from ..compat.optimizer_wrappers import require_optimizer_like
+from ..scaling.grad_stash import GradientStash
+from ..scaling.skip import SkipDecision
+from . import optimizer_state
 from .masters import MasterWeights, match_state_to_params, new_master
-from .skip import SkipDecision
 
 MASTER_PARAMS_KEY = optimizer_state.MASTER_PARAMS_KEY
 
@@ -206,7 +208,7 @@ def instrument(optimizer, params_with_masters, names, ledger):
         distributed.follow_masters(optimizer, record.master_pairs, ledger)
     for name in _PATCHED_METHODS:
         if name == "add_param_group" and not hasattr(optimizer, name):
-            continue  # an optimizer wrapper without it (optional, see apex_compat)
+            continue  # an optimizer wrapper without it (optional, see compat/optimizer_wrappers.py)
         record.originals[name] = getattr(optimizer, name)
         ledger.patch(
             optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)

@@ -1,4 +1,5 @@
-"""What amp did: trace() records patched calls in a region; last_overflow() says where an overflow came from."""
+"""amp.trace(): a record of every patched call made in a region, the policy that applied and the
+dtypes before and after."""
 
 import contextlib
 import dataclasses
@@ -6,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._state import amp_state
+from .._state import amp_state
 
 
 def _dtype_name(dtype):
@@ -130,18 +131,3 @@ def trace():
             amp_state.refresh_active()
         if outer is not None:
             outer.records.extend(current.records)
-
-
-@dataclasses.dataclass
-class OverflowReport:
-    """Where the gradients of a skipped step held inf or NaN."""
-
-    loss_id: int  # the loss (scaler) whose backward produced the non-finite gradients
-    params: Tuple[str, ...]  # qualified names of the parameters with non-finite gradients
-    loss_scale: float  # the scale after backing off
-    flag: object = dataclasses.field(default=None, repr=False, compare=False)
-
-
-def last_overflow():
-    """The OverflowReport of the last skipped step, or None if no step has been skipped."""
-    return amp_state.last_overflow

@@ -11,17 +11,12 @@ import operator
 
 import torch
 
-from ._state import INHERIT, ThreadState, amp_state
+from .._state import INHERIT, ThreadState, amp_state
+from ..lists import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
 from .casts import CASTABLE, LOW_PRECISION, SEQUENCES, ExplicitDtype
-from .diagnostics import traced_call
 from .patching import ORIGINAL_ATTRIBUTE
+from .trace import traced_call
 
-# The policy kinds, one per table in amp/lists.
-LOWER_PRECISION = "lower_precision"  # FP16_FUNCS: run in the low-precision dtype
-FP32 = "fp32"  # FP32_FUNCS: run in float32
-PROMOTE = "promote"  # CASTS: run in the widest floating type among the arguments
-SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequence argument
-BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
 
 _Tensor = torch.Tensor
 _dtype = torch.dtype

@@ -7,8 +7,8 @@ the original module, NVIDIA/apex#227, #269, #503).
 
 import torch
 
-from ._state import amp_state
-from .casts import LOW_PRECISION, cast_tree
+from .._state import amp_state
+from ..casting.casts import LOW_PRECISION, cast_tree
 from .masters import new_master
 from .shadows import (
     FP32StateDict,
@@ -67,7 +67,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     """Cast the FP32 parameters and buffers of `model` to `dtype` (batch norm kept FP32 if asked).
 
     Parameters keep their identity (their `.data` is swapped). Each cast buffer, and each cast
-    parameter when `keep_fp32_params` (O2), gets an FP32 shadow (amp/shadows.py): the parameter's
+    parameter when `keep_fp32_params` (O2), gets an FP32 shadow (shadows.py): the parameter's
     master weight if an optimizer steps it, else an FP32 copy, so that frozen parameters keep
     their FP32 values too. Undo puts the FP32 values back from the shadows (O3 parameters, which
     have none, come back upcast).

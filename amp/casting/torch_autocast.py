@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ._state import INHERIT, ThreadState, amp_state
+from .._state import INHERIT, ThreadState, amp_state
 from .autocast import enter_region, exit_region
 from .casts import DEVICE_TYPES
 from .patching import ORIGINAL_ATTRIBUTE

@@ -17,7 +17,7 @@ deepcopy or a pickle of the model carries its own shadows along.
 
 import torch
 
-from .casts import LOW_PRECISION
+from ..casting.casts import LOW_PRECISION
 
 
 class Shadow:

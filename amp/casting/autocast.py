@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ._state import amp_state
+from .._state import amp_state
 from . import native_autocast as native_state
 from .casts import DEVICE_FILTERS, DEVICE_TYPES, LOW_PRECISION, cast_tree, with_device
 

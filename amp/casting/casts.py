@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ._state import amp_state
+from .._state import amp_state
 
 LOW_PRECISION = frozenset((torch.float16, torch.bfloat16))
 # float64 is never cast: it is asked for deliberately (torch.amp's rule).

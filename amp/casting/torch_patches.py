@@ -1,5 +1,5 @@
 """The patch set: torch functions and Tensor methods wrapped from amp/lists and registrations, and
-torch's autocast surface (amp/torch_autocast.py).
+torch's autocast surface (torch_autocast.py).
 
 O1 and autocast regions share it. It is installed when amp first casts (an O1 `initialize`, or
 the first region) and stays installed, so a region costs a state change rather than hundreds of
@@ -11,8 +11,9 @@ is the original object again. Replacement functions are built once and reused.
 import functools
 import logging
 
-from . import lists, torch_autocast
-from ._state import amp_state
+from .. import lists
+from .._state import amp_state
+from . import torch_autocast
 from .patching import PatchLedger
 from .wrappers import make_wrapper
 

@@ -22,9 +22,8 @@ import operator
 
 import torch
 
-from . import distributed, kernels
-from ._state import amp_state
-from .masters import add_to_master_grad
+from .. import kernels
+from ..compat import distributed
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")
@@ -226,13 +225,11 @@ class GradientStash:
         return handed
 
 
-def check_scale_can_change(scaler, what):
-    """Raise if gradients scaled by `scaler` wait to be unscaled: they would be unscaled with
-    the new scale. Changes nothing."""
-    if any(record.stash.holds(scaler) for record in amp_state.optimizers):
-        raise RuntimeError(
-            f"{what}: the loss scale cannot change while gradients scaled by it wait to be "
-            "unscaled (inside amp.scale_loss, or between blocks with delay_unscale=True); they "
-            "would be unscaled with the new scale. Change it after the block that unscales "
-            "them, or after optimizer.step()."
-        )
+def add_to_master_grad(master, grad):
+    """master.grad += grad (FP32), keeping a sparse gradient sparse (SparseAdam needs it)."""
+    if master.grad is None:
+        master.grad = grad
+    elif master.grad.is_sparse or grad.is_sparse:
+        master.grad = master.grad + grad
+    else:
+        master.grad.add_(grad)

@@ -1,7 +1,8 @@
 """User extensions of the casting tables: decorators, and registration of functions by name."""
 
-from ._state import amp_state
-from .wrappers import FP32, LOWER_PRECISION, PROMOTE, make_wrapper
+from .._state import amp_state
+from ..lists import FP32, LOWER_PRECISION, PROMOTE
+from .wrappers import make_wrapper
 
 
 def _decorator(kind):

@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from .._state import amp_state
+
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
 # The smallest normal float32. A dynamic scale never goes below it: 1 / scale stays finite, so a
@@ -62,7 +64,7 @@ class LossScaler:
         self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
         self._static_inv = {}  # device -> 1 / scale for static scalers
         # Backward passes a static scaler unscaled: what apex's `_unskipped` counted for it, kept
-        # only for amp._amp_state (amp.state_dict() reports 0, see apex_compat).
+        # only for amp._amp_state (amp.state_dict() reports 0, see compat/apex_state.py).
         self.static_passes = 0
 
     @property
@@ -127,6 +129,17 @@ class LossScaler:
                 f"bounds of this dynamic scaler (amp.initialize sets them); got {value!r}."
             )
         self.load_state_dict({"loss_scale": value, "unskipped": self.unskipped()})
+
+    def check_can_change(self, what):
+        """Raise if gradients scaled by this scaler wait to be unscaled: they would be unscaled
+        with the new scale. Changes nothing."""
+        if any(record.stash.holds(self) for record in amp_state.optimizers):
+            raise RuntimeError(
+                f"{what}: the loss scale cannot change while gradients scaled by it wait to be "
+                "unscaled (inside amp.scale_loss, or between blocks with delay_unscale=True); they "
+                "would be unscaled with the new scale. Change it after the block that unscales "
+                "them, or after optimizer.step()."
+            )
 
     def loss_scale(self):
         """The current scale as a float (reads the device: a sync on CUDA)."""

@@ -16,7 +16,8 @@ from collections import abc, defaultdict
 
 import torch
 
-from . import distributed, kernels
+from .. import kernels
+from ..compat import distributed
 
 
 class ScalerValueError(ValueError, AssertionError):

@@ -2,8 +2,8 @@
 
 import torch
 
-from . import kernels
-from ._state import amp_state
+from .. import kernels
+from .._state import amp_state
 
 MASTER_PARAMS_KEY = "amp_master_params"
 

@@ -3,8 +3,9 @@ parameters, kept in step with the model both ways."""
 
 import torch
 
-from . import distributed
-from ._state import amp_state
+from .._state import amp_state
+from ..compat import distributed
+from ..scaling.grad_stash import add_to_master_grad
 
 
 def new_master(param):
@@ -115,12 +116,3 @@ class MasterWeights:
         self.master_pairs = []
         self.forget_param_groups()
 
-
-def add_to_master_grad(master, grad):
-    """master.grad += grad (FP32), keeping a sparse gradient sparse (SparseAdam needs it)."""
-    if master.grad is None:
-        master.grad = grad
-    elif master.grad.is_sparse or grad.is_sparse:
-        master.grad = master.grad + grad
-    else:
-        master.grad.add_(grad)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ._state import amp_state
+from .._state import amp_state
 
 _SUPPORTED_ROUTES = (
     "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'); or, "

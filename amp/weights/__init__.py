@@ -1,0 +1,2 @@
+"""O2/O3 weights: model casting with FP32 batch norm, FP32 master weights and shadows, and the
+optimizer instrumentation and optimizer state that carry the masters."""
