@@ -21,6 +21,7 @@ from amp.kernels import _layout
 from cuda_emulation import build
 
 _DTYPES = {"float": torch.float32, "__half": torch.float16, "__nv_bfloat16": torch.bfloat16}
+TYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # torch dtype -> CUDA type name
 
 
 def _view(address, numel, dtype):
