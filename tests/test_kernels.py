@@ -197,6 +197,45 @@ def test_unscale_add_rounds_multiply_and_add_separately(backend, source_dtype):
     assert found.item() == 0.0
 
 
+LOW_PRECISION_PAIRS = [
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("function", ["unscale_to_", "unscale_add_"])
+@pytest.mark.parametrize("source_dtype,destination_dtype", LOW_PRECISION_PAIRS)
+def test_low_precision_destinations_round_once(backend, function, source_dtype, destination_dtype):
+    # The multiply (and add) in float32, then one rounding into the destination, as the kernel.
+    module, device = backend
+    sources = random_tensors(SIZES, [source_dtype], device, seed=13)
+    sources[3][1] = float("nan")
+    destinations = random_tensors(SIZES, [destination_dtype], device, seed=14)
+    inv_scale = torch.full((), 1 / 3.0, device=device)
+    expected = [
+        (d.float() if function == "unscale_add_" else 0.0) + s.float() * inv_scale
+        for s, d in zip(sources, destinations)
+    ]
+    found = torch.zeros((), device=device)
+    getattr(module, function)(sources, destinations, inv_scale, found)
+    for actual, wanted in zip(destinations, expected):
+        assert_bitwise(actual, wanted.to(destination_dtype))
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("function", ["unscale_to_", "unscale_add_"])
+def test_a_source_beyond_float16_unscales_into_range(backend, function):
+    # 70000 overflows float16, 70000 * 2**-10 = 68.359375 does not: 68.375, and no overflow.
+    module, device = backend
+    sources = [torch.tensor([70000.0, -70000.0], device=device)]
+    destinations = [torch.zeros(2, dtype=torch.float16, device=device)]
+    found = torch.zeros((), device=device)
+    getattr(module, function)(sources, destinations, torch.full((), 2.0**-10, device=device), found)
+    assert destinations[0].tolist() == [68.375, -68.375] and found.item() == 0.0
+
+
 @pytest.mark.parametrize("destination_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_copy_rounds_to_nearest_even(backend, destination_dtype):
     module, device = backend

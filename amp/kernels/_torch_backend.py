@@ -1,7 +1,9 @@
 """The kernel functions on torch operations: the CPU path, and the CUDA path without CuPy.
 
 Each function takes tensors of one device. Unscaling goes through
-`torch._amp_foreach_non_finite_check_and_unscale_`, so this backend is torch's own arithmetic.
+`torch._amp_foreach_non_finite_check_and_unscale_`, so this backend is torch's own arithmetic,
+and results are bit for bit the kernels': values are read as float32, multiplied and added in
+float32, and rounded once into the destination's dtype.
 """
 
 import torch
@@ -41,24 +43,38 @@ def unscale_(tensors, inv_scale, found_inf):
             _unscale_one_by_one(group, inv_scale, found_inf)
 
 
+def _unscaled_float32(sources, inv_scale, found_inf):
+    """float32 copies of `sources` times inv_scale, flagging inf/NaN in found_inf."""
+    scaled = [source.to(torch.float32, copy=True) for source in sources]
+    unscale_(scaled, inv_scale, found_inf)
+    return scaled
+
+
 def unscale_to_(sources, destinations, inv_scale, found_inf):
-    """destinations = sources * inv_scale (converted to the destinations' dtype)."""
+    """destinations = sources * inv_scale: the multiply in float32, then one rounding into the
+    destinations' dtype, as the kernel does (70000 * 2**-10 into float16 is 68.375, no overflow).
+    """
     if not sources:
         return
-    torch._foreach_copy_(destinations, sources)
-    unscale_(destinations, inv_scale, found_inf)
+    if all(d.dtype in (torch.float32, s.dtype) for s, d in zip(sources, destinations)):
+        # The copy is exact, so unscaling the destinations in place rounds once, with no copy.
+        torch._foreach_copy_(destinations, sources)
+        unscale_(destinations, inv_scale, found_inf)
+        return
+    torch._foreach_copy_(destinations, _unscaled_float32(sources, inv_scale, found_inf))
 
 
 def unscale_add_(sources, destinations, inv_scale, found_inf):
-    """destinations += sources * inv_scale; only `sources` are checked for inf/NaN."""
+    """destinations += sources * inv_scale: multiply and add in float32 (each rounded there), then
+    one rounding into the destinations' dtype, as the kernel does. Only `sources` are checked."""
     if not sources:
         return
-    scaled = [
-        source.to(destination.dtype, copy=True)
-        for source, destination in zip(sources, destinations)
-    ]
-    unscale_(scaled, inv_scale, found_inf)
-    torch._foreach_add_(destinations, scaled)
+    scaled = _unscaled_float32(sources, inv_scale, found_inf)
+    if all(destination.dtype is torch.float32 for destination in destinations):
+        torch._foreach_add_(destinations, scaled)
+        return
+    torch._foreach_add_(scaled, destinations)  # float32 += destination, exactly converted
+    torch._foreach_copy_(destinations, scaled)
 
 
 def copy_(sources, destinations):
