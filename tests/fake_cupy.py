@@ -62,7 +62,7 @@ class FakeKernel:
         if self.kernel == "amp_norm_finalize":
             partial, count, out = args
             _view(out, 1, torch.float32)[0] = (
-                _view(partial, count, torch.float32).double().sum().sqrt()
+                _view(partial, count, torch.float64).sum().sqrt()
             )
             return
         meta, chunk = args[0], args[-1]
@@ -79,9 +79,9 @@ class FakeKernel:
         )
         if self.kernel == "amp_sum_squares":
             partial, first_chunk = args[1], args[2]
-            _view(partial, first_chunk + chunk_index + 1, torch.float32)[
+            _view(partial, first_chunk + chunk_index + 1, torch.float64)[
                 first_chunk + chunk_index
-            ] = source.float().square().sum()
+            ] = source.double().square().sum()
             return
         scale_address, flag_address = args[1], args[2]
         values = source.float()

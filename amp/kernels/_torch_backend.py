@@ -84,9 +84,13 @@ def copy_(sources, destinations):
 
 
 def l2_norm(tensors):
-    """The L2 norm of all elements of `tensors` together, as a float32 0-dim tensor."""
+    """The L2 norm of all elements of `tensors` together, as a float32 0-dim tensor.
+
+    Summed in float64, as the kernel does: in float32, squares below 2**-126 are subnormal (or
+    zero) and squares above 2**128 overflow, so tiny or huge gradients gave 0 or inf.
+    """
     try:
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
     except TypeError:  # torch releases whose _foreach_norm has no dtype argument
-        norms = [torch.linalg.vector_norm(tensor, dtype=torch.float32) for tensor in tensors]
-    return torch.linalg.vector_norm(torch.stack(norms))
+        norms = [torch.linalg.vector_norm(tensor, dtype=torch.float64) for tensor in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms)).float()
