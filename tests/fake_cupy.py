@@ -61,9 +61,7 @@ class FakeKernel:
         self.launches.calls.append((self.name, grid, len(args)))
         if self.kernel == "amp_norm_finalize":
             partial, count, out = args
-            _view(out, 1, torch.float32)[0] = (
-                _view(partial, count, torch.float64).sum().sqrt()
-            )
+            _view(out, 1, torch.float32)[0] = _view(partial, count, torch.float64).sum().sqrt()
             return
         meta, chunk = args[0], args[-1]
         record = meta[0]
@@ -122,19 +120,24 @@ class CompiledKernel:
 _compiled = {}  # (code, options, names) -> build.Module: one build per test session
 
 
-def compiled_module(code, options, names):
+def compiled_module(code, options, names, cuda_headers=True):
     """The source compiled as CuPy would (-ftz=true last), once per process."""
-    key = (code, tuple(options), tuple(names))
+    key = (code, tuple(options), tuple(names), cuda_headers)
     if key not in _compiled:
-        _compiled[key] = build.compile_module(code, tuple(options) + ("-ftz=true",), names)
+        _compiled[key] = build.compile_module(
+            code, tuple(options) + ("-ftz=true",), names, use_cuda_headers=cuda_headers
+        )
     return _compiled[key]
 
 
-def install(monkeypatch, multiprocessors=2, kernels="python", order="forward", seed=0):
+def install(
+    monkeypatch, multiprocessors=2, kernels="python", order="forward", seed=0, cuda_headers=True
+):
     """Put the fake CuPy in sys.modules and return (the backend module on it, Launches).
 
     kernels="compiled" runs multi_tensor.cu itself (needs g++), threads in `order` ("forward",
-    "reversed", "shuffled" with `seed`) within every phase between barriers.
+    "reversed", "shuffled" with `seed`) within every phase between barriers; cuda_headers=False
+    takes __half / __nv_bfloat16 from the shim's fallback headers even where CUDA's are installed.
     """
     launches = Launches()
 
@@ -145,7 +148,7 @@ def install(monkeypatch, multiprocessors=2, kernels="python", order="forward", s
             )
             self.names = set(name_expressions)
             if kernels == "compiled":
-                self.compiled = compiled_module(code, options, list(name_expressions))
+                self.compiled = compiled_module(code, options, list(name_expressions), cuda_headers)
 
         def get_function(self, name):
             assert name in self.names, name

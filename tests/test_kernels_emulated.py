@@ -6,6 +6,7 @@ backend, with the threads of each block run in three orders between barriers. Th
 compiled once per session (and cached on disk, keyed by its text and flags).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,3 +224,167 @@ def test_l2_norm_survives_flush_to_zero(kernel, dtype, value):
     assert expected.item() != 0.0 and expected.isfinite()
     torch.testing.assert_close(kernel.l2_norm(tensors), expected, rtol=2e-7, atol=0)
     torch.testing.assert_close(_torch_backend.l2_norm(tensors), expected, rtol=2e-7, atol=0)
+
+
+# -- the emulation itself --------------------------------------------------------------------------
+
+PROBES = r"""
+__device__ float probe_mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__global__ void last_writer(int* out) { out[0] = threadIdx.x; }
+__global__ void diverge(int* out) {
+  if (threadIdx.x == 3) return;
+  __syncthreads();
+  out[0] = 1;
+}
+__global__ void vote(int* out, int who) {
+  out[blockIdx.x * blockDim.x + threadIdx.x] = __syncthreads_or(threadIdx.x == who);
+}
+__global__ void block_sums(const int* in, int* out) {
+  __shared__ int values[64];
+  values[threadIdx.x] = in[blockIdx.x * blockDim.x + threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (int i = 0; i < 64; ++i) sum += values[i];
+    out[blockIdx.x] = sum;
+  }
+}
+__global__ void products(const float* a, const float* b, float* plain, float* rn) {
+  plain[threadIdx.x] = a[threadIdx.x] * b[threadIdx.x];
+  rn[threadIdx.x] = probe_mul_rn(a[threadIdx.x], b[threadIdx.x]);
+}
+"""
+PROBE_NAMES = ["last_writer", "diverge", "vote", "block_sums", "products"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-ftz", "ftz"])
+def probes(request):
+    options = ("-std=c++17", "-ftz=true" if request.param else "-ftz=false")
+    return build.compile_module(PROBES, options, PROBE_NAMES)
+
+
+def test_thread_order_within_a_phase_is_what_the_launch_asks(probes):
+    out = torch.full((1,), -1, dtype=torch.int32)
+    last = {}
+    for order in ("forward", "reversed", "shuffled"):
+        probes.launch("last_writer", (1,), (64,), (out.data_ptr(),), order=order, seed=3)
+        last[order] = out.item()
+    assert last["forward"] == 63 and last["reversed"] == 0 and last["shuffled"] not in (0, 63)
+
+
+def test_threads_that_miss_a_barrier_are_an_error(probes):
+    out = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(build.KernelError, match="1 threads returned, 63 wait at __syncthreads"):
+        probes.launch("diverge", (1,), (64,), (out.data_ptr(),))
+
+
+@pytest.mark.parametrize("who", [-1, 0, 37])
+def test_syncthreads_or_and_shared_memory_per_block(probes, who):
+    out = torch.full((3 * 64,), -1, dtype=torch.int32)
+    probes.launch("vote", (3,), (64,), (out.data_ptr(), np.int32(who)), order="shuffled", seed=7)
+    assert out.tolist() == [int(who >= 0)] * (3 * 64)
+    values = torch.arange(3 * 64, dtype=torch.int32)
+    sums = torch.zeros(3, dtype=torch.int32)
+    probes.launch("block_sums", (3,), (64,), (values.data_ptr(), sums.data_ptr()), order="reversed")
+    assert sums.tolist() == values.view(3, 64).sum(1).tolist()
+
+
+def test_arguments_are_checked_against_the_kernel_parameters(probes):
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(build.KernelError, match="argument 1 has 8 bytes, the kernel's parameter 4"):
+        probes.launch("vote", (1,), (64,), (out.data_ptr(), 5))  # a Python int is 64-bit
+    probes.launch("vote", (1,), (64,), (out.data_ptr(), np.int32(5)))
+    assert out.tolist() == [1] * 64
+
+
+@pytest.mark.skipif(not build.HAS_FTZ, reason="flush-to-zero is emulated with x86's MXCSR")
+def test_ftz_flushes_plain_float_arithmetic_but_not_inline_ptx(probes):
+    a = torch.tensor([1e-20, 1e-40, 3.0, -2e-39] * 16)
+    b = torch.tensor([1e-20, 2.0, 1 / 3.0, 0.5] * 16)
+    plain, rn = torch.empty(64), torch.empty(64)
+    probes.launch(
+        "products", (1,), (64,), (a.data_ptr(), b.data_ptr(), plain.data_ptr(), rn.data_ptr())
+    )
+    exact = a * b  # torch on the CPU keeps subnormals
+    assert exact[0] != 0 and exact[1] != 0
+    assert_bitwise([rn], [exact])
+    if probes.ftz:
+        assert plain[:4].tolist() == [0.0, 0.0, exact[2].item(), -0.0]
+    else:
+        assert_bitwise([plain], [exact])
+
+
+def test_unknown_inline_ptx_fails_the_build():
+    source = """__global__ void k(float* out) {
+      float r, a = 1.0f, b = 2.0f;
+      asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+      out[0] = r;
+    }"""
+    with pytest.raises(RuntimeError, match="inline PTX the CUDA emulation does not compute"):
+        build.compile_module(source, ("-std=c++17",), ["k"])
+
+
+CONVERSIONS = r"""
+__global__ void half_to_float(const unsigned short* in, float* out, long long n) {
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+    __half h;
+    memcpy(&h, in + i, sizeof(h));
+    out[i] = __half2float(h);
+  }
+}
+__global__ void float_to_half(const float* in, unsigned short* out, long long n) {
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+    const __half h = __float2half_rn(in[i]);
+    memcpy(out + i, &h, sizeof(h));
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("cuda_headers", [True, False], ids=["cuda-headers", "fallback"])
+def test_half_conversions_are_exact(cuda_headers):
+    if cuda_headers and build.cuda_include() is None:
+        pytest.skip("CUDA's headers are not installed")
+    module = build.compile_module(
+        CONVERSIONS,
+        ("-std=c++17",),
+        ["half_to_float", "float_to_half"],
+        use_cuda_headers=cuda_headers,
+    )
+    every_half = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    floats = torch.empty(2**16)
+    module.launch("half_to_float", (1,), (256,), (every_half.data_ptr(), floats.data_ptr(), 2**16))
+    assert_bitwise([floats], [every_half.view(torch.float16).float()])
+    # Every half, the float halfway to its neighbour and one float ulp either side of that,
+    # subnormals, overflow and NaN included; and random float bit patterns.
+    finite = floats[floats.isfinite()].sort().values.unique()
+    middles = (finite[:-1].double() + finite[1:].double()).div(2).float()
+    near = torch.cat([middles, middles.nextafter(middles + 1), middles.nextafter(middles - 1)])
+    random = torch.randint(-(2**31), 2**31 - 1, (200_000,), dtype=torch.int32).view(torch.float32)
+    sources = torch.cat([floats, near, random, torch.tensor([65519.99, 65520.0, 1e-8, 2.0**-25])])
+    halves = torch.empty(sources.numel(), dtype=torch.int16)
+    module.launch(
+        "float_to_half", (1,), (256,), (sources.data_ptr(), halves.data_ptr(), sources.numel())
+    )
+    assert_bitwise([halves.view(torch.float16)], [sources.half()])
+
+
+def test_the_fallback_headers_run_the_kernels(monkeypatch):
+    module, launches = fake_cupy.install(monkeypatch, kernels="compiled", cuda_headers=False)
+    for dtype in (torch.float16, torch.bfloat16):
+        tensors = tensors_for(dtype, seed=5)
+        expected = clones(tensors)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            expected, torch.zeros(()), torch.full((), 0.1)
+        )
+        module.unscale_(tensors, torch.full((), 0.1), torch.zeros(()))
+        assert_bitwise(tensors, expected)
+        sources = tensors_for(torch.float32, seed=6)
+        destinations = [torch.empty(s.shape, dtype=dtype) for s in sources]
+        module.copy_(sources, destinations)
+        assert_bitwise(destinations, [s.to(dtype) for s in sources])
+    assert len(launches.calls) == 4

@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -22,6 +23,7 @@ HEADER = HERE / "cuda_emulation.h"
 FALLBACK = HERE / "fallback"
 ORDERS = {"forward": 0, "reversed": 1, "shuffled": 2}
 CACHE = pathlib.Path(tempfile.gettempdir()) / "amp-cuda-emulation"
+HAS_FTZ = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")  # MXCSR FTZ/DAZ
 
 
 def compiler():
