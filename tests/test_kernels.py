@@ -260,6 +260,15 @@ def test_l2_norm_matches_torch(backend):
         )  # float32 sums in another order
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+def test_torch_backend_norm_of_tiny_or_huge_gradients_is_summed_in_double(scale):
+    # float32 squares of these vanish or overflow; large tensors are summed a piece at a time.
+    tensors = [torch.randn(3 * 2**20 + 5) * scale, torch.randn(7) * scale]
+    expected = torch.linalg.vector_norm(torch.cat([t.double() for t in tensors])).float()
+    assert torch.linalg.vector_norm(tensors[0]).item() in (0.0, float("inf"))
+    torch.testing.assert_close(_torch_backend.l2_norm(tensors), expected, rtol=1e-6, atol=0)
+
+
 # -- the dispatching interface --------------------------------------------------------------------
 
 

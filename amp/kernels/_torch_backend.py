@@ -6,9 +6,14 @@ and results are bit for bit the kernels': values are read as float32, multiplied
 float32, and rounded once into the destination's dtype.
 """
 
+import math
+
 import torch
 
 _unscale_op = torch._amp_foreach_non_finite_check_and_unscale_
+_PIECE = 1 << 20  # elements: a float64 copy of a piece is 8 MiB
+# A float32 sum of squares of at least 2**-100 has lost at most n * 2**-150 to subnormal squares.
+_SMALL_NORM = 2.0**-50
 
 
 def _by_dtype(tensors):
@@ -83,14 +88,40 @@ def copy_(sources, destinations):
         torch._foreach_copy_(destinations, sources)
 
 
+def _norm(tensors, dtype):
+    try:
+        norms = torch._foreach_norm(tensors, 2.0, dtype=dtype)
+    except TypeError:  # torch releases whose _foreach_norm has no dtype argument
+        norms = [torch.linalg.vector_norm(tensor, dtype=dtype) for tensor in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _pieces(tensors):
+    """The tensors, large contiguous ones split into views of _PIECE elements."""
+    pieces = []
+    for tensor in tensors:
+        if tensor.numel() > _PIECE and tensor.is_contiguous():
+            pieces.extend(tensor.view(-1).split(_PIECE))
+        else:
+            pieces.append(tensor)
+    return pieces
+
+
 def l2_norm(tensors):
     """The L2 norm of all elements of `tensors` together, as a float32 0-dim tensor.
 
-    Summed in float64, as the kernel does: in float32, squares below 2**-126 are subnormal (or
-    zero) and squares above 2**128 overflow, so tiny or huge gradients gave 0 or inf.
+    Squares summed in float64, as the kernel does: in float32, squares below 2**-126 lose their
+    digits (or vanish) and squares above 2**128 overflow, so tiny or huge gradients gave a wrong
+    norm, 0 or inf. On CUDA, torch's _foreach_norm sums in float64 as it reads. On the CPU it
+    first copies each tensor to float64 (about 30 times slower), so there the float32 norm is
+    kept where it cannot be affected (finite, at least _SMALL_NORM) and the others are summed
+    again in float64, a piece at a time.
     """
-    try:
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
-    except TypeError:  # torch releases whose _foreach_norm has no dtype argument
-        norms = [torch.linalg.vector_norm(tensor, dtype=torch.float64) for tensor in tensors]
-    return torch.linalg.vector_norm(torch.stack(norms)).float()
+    device = tensors[0].device
+    if device.type == "cuda":
+        return _norm(tensors, torch.float64).float()
+    norm = _norm(tensors, torch.float32)
+    value = norm.item() if device.type == "cpu" else 1.0  # no float64 on some devices (mps)
+    if not (value < _SMALL_NORM or value == math.inf):  # NaN stays NaN
+        return norm
+    return _norm(_pieces(tensors), torch.float64).float()
