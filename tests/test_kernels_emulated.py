@@ -185,6 +185,23 @@ def test_one_rounding_into_float16(kernel, function):
         assert dst[0][0].item() == 68.375 and found == 0.0
 
 
+def test_two_list_kernels_split_over_many_parameter_blocks(kernel, monkeypatch):
+    monkeypatch.setenv("AMP_KERNEL_PARAM_BYTES", str(_layout.PARAM_BYTES_SMALL))
+    sizes = [5, 0, 300] * 110
+    sources = [sample(size, torch.float32, i) for i, size in enumerate(sizes)]
+    destinations = [sample(size, torch.float16, i + 1000) for i, size in enumerate(sizes)]
+    sources[-1][-1] = float("nan")
+    inv_scale = torch.full((), 1 / 3.0)
+    (expected, expected_found), (backend, backend_found), (actual, found) = run_all_three(
+        "unscale_add_", sources, destinations, inv_scale, kernel
+    )
+    capacity = _layout.max_tensors(2, _layout.PARAM_BYTES_SMALL)
+    assert len(kernel.launched()) == -(-220 // capacity) > 1
+    assert_bitwise(actual, expected)
+    assert_bitwise(backend, expected)
+    assert found == expected_found == backend_found == 1.0
+
+
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
 def test_copy_matches_torch(kernel, pair):
     sources, destinations = pair_lists(pair, seed=4)
