@@ -1,9 +1,12 @@
 """A stand-in for CuPy that runs amp's CuPy backend on CPU tensors, for tests without a GPU.
 
-The "kernels" read the by-value Meta struct the backend packs and do, through the raw data
-pointers, what multi_tensor.cu does: so the backend's host code (grouping, packing, launch
-arguments, pointer arithmetic, launch splitting) is exercised for real. What runs on a GPU is
-the CUDA source itself, which this cannot check: nvcc and NVRTC compile it in other tests.
+Two kinds of kernels behind it:
+- "python": the kernels read the by-value Meta struct the backend packs and do, through the raw
+  data pointers, what multi_tensor.cu means to do, in torch. Quick; checks the backend's host
+  code (grouping, packing, launch arguments, pointer arithmetic, launch splitting).
+- "compiled": RawModule compiles the source the backend hands it with g++ against the CUDA shim
+  (tests/cuda_emulation), with -ftz=true appended as CuPy does, and launches run the CUDA code
+  itself on an emulated grid, threads in the order asked for.
 """
 
 import contextlib
@@ -15,8 +18,10 @@ import types
 import torch
 
 from amp.kernels import _layout
+from cuda_emulation import build
 
 _DTYPES = {"float": torch.float32, "__half": torch.float16, "__nv_bfloat16": torch.bfloat16}
+TYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # torch dtype -> CUDA type name
 
 
 def _view(address, numel, dtype):
@@ -56,9 +61,7 @@ class FakeKernel:
         self.launches.calls.append((self.name, grid, len(args)))
         if self.kernel == "amp_norm_finalize":
             partial, count, out = args
-            _view(out, 1, torch.float32)[0] = (
-                _view(partial, count, torch.float32).double().sum().sqrt()
-            )
+            _view(out, 1, torch.float32)[0] = _view(partial, count, torch.float64).sum().sqrt()
             return
         meta, chunk = args[0], args[-1]
         record = meta[0]
@@ -74,9 +77,9 @@ class FakeKernel:
         )
         if self.kernel == "amp_sum_squares":
             partial, first_chunk = args[1], args[2]
-            _view(partial, first_chunk + chunk_index + 1, torch.float32)[
+            _view(partial, first_chunk + chunk_index + 1, torch.float64)[
                 first_chunk + chunk_index
-            ] = source.float().square().sum()
+            ] = source.double().square().sum()
             return
         scale_address, flag_address = args[1], args[2]
         values = source.float()
@@ -98,8 +101,44 @@ class FakeKernel:
         destination.copy_(values.to(destination_dtype))
 
 
-def install(monkeypatch, multiprocessors=2):
-    """Put the fake CuPy in sys.modules and return (the backend module on it, Launches)."""
+class CompiledKernel:
+    """One kernel of a source compiled for the CPU; calls run the CUDA code on an emulated grid."""
+
+    def __init__(self, module, name, launches, order, seed):
+        self.module, self.name, self.launches = module, name, launches
+        self.order, self.seed = order, seed
+
+    def compile(self):
+        pass
+
+    def __call__(self, grid, block, args, stream=None):
+        assert stream is not None and hasattr(stream, "ptr")
+        self.launches.calls.append((self.name, grid, len(args)))
+        self.module.launch(self.name, grid, block, args, order=self.order, seed=self.seed)
+
+
+_compiled = {}  # (code, options, names) -> build.Module: one build per test session
+
+
+def compiled_module(code, options, names, cuda_headers=True):
+    """The source compiled as CuPy would (-ftz=true last), once per process."""
+    key = (code, tuple(options), tuple(names), cuda_headers)
+    if key not in _compiled:
+        _compiled[key] = build.compile_module(
+            code, tuple(options) + ("-ftz=true",), names, use_cuda_headers=cuda_headers
+        )
+    return _compiled[key]
+
+
+def install(
+    monkeypatch, multiprocessors=2, kernels="python", order="forward", seed=0, cuda_headers=True
+):
+    """Put the fake CuPy in sys.modules and return (the backend module on it, Launches).
+
+    kernels="compiled" runs multi_tensor.cu itself (needs g++), threads in `order` ("forward",
+    "reversed", "shuffled" with `seed`) within every phase between barriers; cuda_headers=False
+    takes __half / __nv_bfloat16 from the shim's fallback headers even where CUDA's are installed.
+    """
     launches = Launches()
 
     class RawModule:
@@ -108,9 +147,13 @@ def install(monkeypatch, multiprocessors=2):
                 o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options
             )
             self.names = set(name_expressions)
+            if kernels == "compiled":
+                self.compiled = compiled_module(code, options, list(name_expressions), cuda_headers)
 
         def get_function(self, name):
             assert name in self.names, name
+            if kernels == "compiled":
+                return CompiledKernel(self.compiled, name, launches, order, seed)
             return FakeKernel(name, launches)
 
     cupy = types.ModuleType("cupy")

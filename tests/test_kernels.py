@@ -197,6 +197,45 @@ def test_unscale_add_rounds_multiply_and_add_separately(backend, source_dtype):
     assert found.item() == 0.0
 
 
+LOW_PRECISION_PAIRS = [
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("function", ["unscale_to_", "unscale_add_"])
+@pytest.mark.parametrize("source_dtype,destination_dtype", LOW_PRECISION_PAIRS)
+def test_low_precision_destinations_round_once(backend, function, source_dtype, destination_dtype):
+    # The multiply (and add) in float32, then one rounding into the destination, as the kernel.
+    module, device = backend
+    sources = random_tensors(SIZES, [source_dtype], device, seed=13)
+    sources[3][1] = float("nan")
+    destinations = random_tensors(SIZES, [destination_dtype], device, seed=14)
+    inv_scale = torch.full((), 1 / 3.0, device=device)
+    expected = [
+        (d.float() if function == "unscale_add_" else 0.0) + s.float() * inv_scale
+        for s, d in zip(sources, destinations)
+    ]
+    found = torch.zeros((), device=device)
+    getattr(module, function)(sources, destinations, inv_scale, found)
+    for actual, wanted in zip(destinations, expected):
+        assert_bitwise(actual, wanted.to(destination_dtype))
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("function", ["unscale_to_", "unscale_add_"])
+def test_a_source_beyond_float16_unscales_into_range(backend, function):
+    # 70000 overflows float16, 70000 * 2**-10 = 68.359375 does not: 68.375, and no overflow.
+    module, device = backend
+    sources = [torch.tensor([70000.0, -70000.0], device=device)]
+    destinations = [torch.zeros(2, dtype=torch.float16, device=device)]
+    found = torch.zeros((), device=device)
+    getattr(module, function)(sources, destinations, torch.full((), 2.0**-10, device=device), found)
+    assert destinations[0].tolist() == [68.375, -68.375] and found.item() == 0.0
+
+
 @pytest.mark.parametrize("destination_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_copy_rounds_to_nearest_even(backend, destination_dtype):
     module, device = backend
@@ -219,6 +258,15 @@ def test_l2_norm_matches_torch(backend):
         torch.testing.assert_close(
             actual, expected, rtol=1e-4, atol=0
         )  # float32 sums in another order
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+def test_torch_backend_norm_of_tiny_or_huge_gradients_is_summed_in_double(scale):
+    # float32 squares of these vanish or overflow; large tensors are summed a piece at a time.
+    tensors = [torch.randn(3 * 2**20 + 5) * scale, torch.randn(7) * scale]
+    expected = torch.linalg.vector_norm(torch.cat([t.double() for t in tensors])).float()
+    assert torch.linalg.vector_norm(tensors[0]).item() in (0.0, float("inf"))
+    torch.testing.assert_close(_torch_backend.l2_norm(tensors), expected, rtol=1e-6, atol=0)
 
 
 # -- the dispatching interface --------------------------------------------------------------------

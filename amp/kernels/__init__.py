@@ -109,8 +109,10 @@ def unscale_(tensors, inv_scale, found_inf):
 def unscale_to_(sources, destinations, inv_scale, found_inf, *, check=True):
     """destinations = sources * inv_scale: model gradients into FP32 master gradients.
 
-    `sources` are checked for inf/NaN. Lists are parallel; shapes must match. check=False
-    skips verifying that, for callers that built the lists in parallel (amp, every step).
+    The multiply is done in float32 and rounded once into the destinations' dtype (a float32
+    source beyond float16's range can land inside it). `sources` are checked for inf/NaN. Lists
+    are parallel; shapes must match. check=False skips verifying that, for callers that built the
+    lists in parallel (amp, every step).
     """
     if sources:
         if check:
@@ -119,7 +121,8 @@ def unscale_to_(sources, destinations, inv_scale, found_inf, *, check=True):
 
 
 def unscale_add_(sources, destinations, inv_scale, found_inf, *, check=True):
-    """destinations += sources * inv_scale, multiply and add rounded separately.
+    """destinations += sources * inv_scale: multiply and add in float32, each rounded there, then
+    one rounding into the destinations' dtype.
 
     Accumulates a new (scaled) gradient into gradients kept from earlier backward passes; only
     `sources` are checked for inf/NaN. `check` as for unscale_to_.
@@ -145,7 +148,9 @@ def copy_(sources, destinations, *, check=True):
 def l2_norm(tensors):
     """The L2 norm of all elements of `tensors`, as a float32 0-dim tensor on their device.
 
-    Accumulates in float32 whatever the tensors' dtype. For gradient clipping:
+    Squares are summed in float64 whatever the tensors' dtype, so gradients whose squares are
+    below float32's normal range (1e-19 and smaller) or above its largest (3e19 and larger) still
+    give their norm. For gradient clipping:
     `amp.kernels.l2_norm([p.grad for p in amp.master_params(optimizer) if p.grad is not None])`.
     """
     if not tensors:

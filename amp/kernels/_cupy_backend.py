@@ -222,16 +222,16 @@ def l2_norm(tensors):
     device = tensors[0].device
     out = torch.empty((), dtype=torch.float32, device=device)
     if rest or len(groups) > 1:
-        # Mixed dtypes or layouts: sum the squares group by group, then combine.
+        # Mixed dtypes or layouts: the norm group by group, then the norm of those in double.
         parts = [_torch_backend.l2_norm(_pick(tensors, rest))] if rest else []
         parts += [l2_norm(_pick(tensors, indices)) for indices in groups.values()]
-        return torch.linalg.vector_norm(torch.stack(parts))
+        return torch.linalg.vector_norm(torch.stack(parts), dtype=torch.float64).float()
     (((dtype,), indices),) = groups.items()
     chosen = _pick(tensors, indices)
     total = sum((t.numel() + _layout.CHUNK - 1) // _layout.CHUNK for t in chosen)
     if total == 0:
         return out.zero_()
-    partial = torch.empty(total, dtype=torch.float32, device=device)
+    partial = torch.empty(total, dtype=torch.float64, device=device)  # sums of squares, per chunk
     _launch(
         f"amp_sum_squares<{_TYPE_NAMES[dtype]}>",
         [chosen],

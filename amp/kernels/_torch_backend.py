@@ -1,12 +1,19 @@
 """The kernel functions on torch operations: the CPU path, and the CUDA path without CuPy.
 
 Each function takes tensors of one device. Unscaling goes through
-`torch._amp_foreach_non_finite_check_and_unscale_`, so this backend is torch's own arithmetic.
+`torch._amp_foreach_non_finite_check_and_unscale_`, so this backend is torch's own arithmetic,
+and results are bit for bit the kernels': values are read as float32, multiplied and added in
+float32, and rounded once into the destination's dtype.
 """
+
+import math
 
 import torch
 
 _unscale_op = torch._amp_foreach_non_finite_check_and_unscale_
+_PIECE = 1 << 20  # elements: a float64 copy of a piece is 8 MiB
+# A float32 sum of squares of at least 2**-100 has lost at most n * 2**-150 to subnormal squares.
+_SMALL_NORM = 2.0**-50
 
 
 def _by_dtype(tensors):
@@ -41,24 +48,38 @@ def unscale_(tensors, inv_scale, found_inf):
             _unscale_one_by_one(group, inv_scale, found_inf)
 
 
+def _unscaled_float32(sources, inv_scale, found_inf):
+    """float32 copies of `sources` times inv_scale, flagging inf/NaN in found_inf."""
+    scaled = [source.to(torch.float32, copy=True) for source in sources]
+    unscale_(scaled, inv_scale, found_inf)
+    return scaled
+
+
 def unscale_to_(sources, destinations, inv_scale, found_inf):
-    """destinations = sources * inv_scale (converted to the destinations' dtype)."""
+    """destinations = sources * inv_scale: the multiply in float32, then one rounding into the
+    destinations' dtype, as the kernel does (70000 * 2**-10 into float16 is 68.375, no overflow).
+    """
     if not sources:
         return
-    torch._foreach_copy_(destinations, sources)
-    unscale_(destinations, inv_scale, found_inf)
+    if all(d.dtype in (torch.float32, s.dtype) for s, d in zip(sources, destinations)):
+        # The copy is exact, so unscaling the destinations in place rounds once, with no copy.
+        torch._foreach_copy_(destinations, sources)
+        unscale_(destinations, inv_scale, found_inf)
+        return
+    torch._foreach_copy_(destinations, _unscaled_float32(sources, inv_scale, found_inf))
 
 
 def unscale_add_(sources, destinations, inv_scale, found_inf):
-    """destinations += sources * inv_scale; only `sources` are checked for inf/NaN."""
+    """destinations += sources * inv_scale: multiply and add in float32 (each rounded there), then
+    one rounding into the destinations' dtype, as the kernel does. Only `sources` are checked."""
     if not sources:
         return
-    scaled = [
-        source.to(destination.dtype, copy=True)
-        for source, destination in zip(sources, destinations)
-    ]
-    unscale_(scaled, inv_scale, found_inf)
-    torch._foreach_add_(destinations, scaled)
+    scaled = _unscaled_float32(sources, inv_scale, found_inf)
+    if all(destination.dtype is torch.float32 for destination in destinations):
+        torch._foreach_add_(destinations, scaled)
+        return
+    torch._foreach_add_(scaled, destinations)  # float32 += destination, exactly converted
+    torch._foreach_copy_(destinations, scaled)
 
 
 def copy_(sources, destinations):
@@ -67,10 +88,40 @@ def copy_(sources, destinations):
         torch._foreach_copy_(destinations, sources)
 
 
-def l2_norm(tensors):
-    """The L2 norm of all elements of `tensors` together, as a float32 0-dim tensor."""
+def _norm(tensors, dtype):
     try:
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        norms = torch._foreach_norm(tensors, 2.0, dtype=dtype)
     except TypeError:  # torch releases whose _foreach_norm has no dtype argument
-        norms = [torch.linalg.vector_norm(tensor, dtype=torch.float32) for tensor in tensors]
+        norms = [torch.linalg.vector_norm(tensor, dtype=dtype) for tensor in tensors]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _pieces(tensors):
+    """The tensors, large contiguous ones split into views of _PIECE elements."""
+    pieces = []
+    for tensor in tensors:
+        if tensor.numel() > _PIECE and tensor.is_contiguous():
+            pieces.extend(tensor.view(-1).split(_PIECE))
+        else:
+            pieces.append(tensor)
+    return pieces
+
+
+def l2_norm(tensors):
+    """The L2 norm of all elements of `tensors` together, as a float32 0-dim tensor.
+
+    Squares summed in float64, as the kernel does: in float32, squares below 2**-126 lose their
+    digits (or vanish) and squares above 2**128 overflow, so tiny or huge gradients gave a wrong
+    norm, 0 or inf. On CUDA, torch's _foreach_norm sums in float64 as it reads. On the CPU it
+    first copies each tensor to float64 (about 30 times slower), so there the float32 norm is
+    kept where it cannot be affected (finite, at least _SMALL_NORM) and the others are summed
+    again in float64, a piece at a time.
+    """
+    device = tensors[0].device
+    if device.type == "cuda":
+        return _norm(tensors, torch.float64).float()
+    norm = _norm(tensors, torch.float32)
+    value = norm.item() if device.type == "cpu" else 1.0  # no float64 on some devices (mps)
+    if not (value < _SMALL_NORM or value == math.inf):  # NaN stays NaN
+        return norm
+    return _norm(_pieces(tensors), torch.float64).float()

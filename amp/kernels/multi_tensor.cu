@@ -7,7 +7,8 @@
 // there is no per-block table and no cap on blocks per launch.
 //
 // Numerics match torch's: values are read as float, multiplied and added in float with round to
-// nearest, and stored with round to nearest even. CuPy always compiles with -ftz=true, which would
+// nearest, and stored with round to nearest even (one rounding into the destination's type). The
+// L2 norm sums squares in double. CuPy always compiles with -ftz=true, which would
 // flush subnormals in float arithmetic; the multiply and add are therefore written in inline PTX
 // (mul.rn.f32 / add.rn.f32, which take no .ftz), and the bfloat16 store is done on the bits.
 
@@ -89,6 +90,22 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     out = static_cast<unsigned short>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
   }
   return __ushort_as_bfloat16(out);
+}
+
+// float -> double, exact. -ftz=true flushes a subnormal source of the conversion (cvt.ftz), so
+// zeros and subnormals are converted from their bits.
+__device__ __forceinline__ double to_double(float x) {
+  const unsigned int bits = __float_as_uint(x);
+  if ((bits & 0x7f800000u) != 0) return static_cast<double>(x);
+  const double magnitude = static_cast<double>(bits & 0x7fffffu) * 0x1p-149;
+  return (bits >> 31) != 0 ? -magnitude : magnitude;
+}
+
+// double (not negative) -> float, round to nearest even. Below float's normal range -ftz=true
+// would flush the conversion to zero: there the float's bits are the value in units of 2**-149.
+__device__ __forceinline__ float to_float_keeping_subnormals(double x) {
+  if (!(x < 0x1p-126)) return static_cast<float>(x);
+  return __uint_as_float(static_cast<unsigned int>(rint(x * 0x1p149)));
 }
 
 template <typename T>
@@ -212,13 +229,14 @@ amp_scale_add(const AMP_GRID_CONSTANT amp::Meta<2> meta, const float* scale, flo
   amp::scale_all<In, Out, true, 2>(meta, scale, found_inf, chunk);
 }
 
-// partial[first_chunk + c] = sum of squares of chunk c of this launch (float accumulation, a
-// fixed order: deterministic).
+// partial[first_chunk + c] = sum of squares of chunk c of this launch, in double (a fixed order:
+// deterministic). The square of a float is exact in double and never flushes or overflows, where
+// in float squares below 2**-126 flush to zero under -ftz=true and squares above 2**128 are inf.
 template <typename T>
 __global__ void __launch_bounds__(amp::kBlock)
-amp_sum_squares(const AMP_GRID_CONSTANT amp::Meta<1> meta, float* partial,
+amp_sum_squares(const AMP_GRID_CONSTANT amp::Meta<1> meta, double* partial,
                 long long first_chunk, long long chunk) {
-  __shared__ float shared[amp::kBlock];
+  __shared__ double shared[amp::kBlock];
   const int total = meta.chunk_start[meta.ntensors];
   for (int c = blockIdx.x; c < total; c += gridDim.x) {
     const int t = amp::tensor_of(meta, c);
@@ -226,10 +244,10 @@ amp_sum_squares(const AMP_GRID_CONSTANT amp::Meta<1> meta, float* partial,
     const long long remaining = meta.numel[t] - first;
     const long long n = remaining < chunk ? remaining : chunk;
     const T* src = reinterpret_cast<const T*>(meta.ptr[0][t]) + first;
-    float sum = 0.0f;
+    double sum = 0.0;
     for (long long i = threadIdx.x; i < n; i += amp::kBlock) {
-      const float value = amp::to_float<T>(src[i]);
-      sum = fmaf(value, value, sum);
+      const double value = amp::to_double(amp::to_float<T>(src[i]));
+      sum = fma(value, value, sum);
     }
     shared[threadIdx.x] = sum;
     __syncthreads();
@@ -242,11 +260,11 @@ amp_sum_squares(const AMP_GRID_CONSTANT amp::Meta<1> meta, float* partial,
   }
 }
 
-// *out = sqrt(sum of partial[0..count)), one block, fixed order.
+// *out = sqrt(sum of partial[0..count)), one block, fixed order, in double; rounded to float.
 __global__ void __launch_bounds__(amp::kBlock)
-amp_norm_finalize(const float* partial, long long count, float* out) {
-  __shared__ float shared[amp::kBlock];
-  float sum = 0.0f;
+amp_norm_finalize(const double* partial, long long count, float* out) {
+  __shared__ double shared[amp::kBlock];
+  double sum = 0.0;
   for (long long i = threadIdx.x; i < count; i += amp::kBlock) sum += partial[i];
   shared[threadIdx.x] = sum;
   __syncthreads();
@@ -254,7 +272,7 @@ amp_norm_finalize(const float* partial, long long count, float* out) {
     if (threadIdx.x < width) shared[threadIdx.x] += shared[threadIdx.x + width];
     __syncthreads();
   }
-  if (threadIdx.x == 0) *out = sqrtf(shared[0]);
+  if (threadIdx.x == 0) *out = amp::to_float_keeping_subnormals(sqrt(shared[0]));
 }
 
 // Every variant amp launches, instantiated so that nvcc compiles all of them too. CuPy finds
@@ -276,6 +294,6 @@ AMP_PAIR_KERNELS(float, __nv_bfloat16)
 AMP_PAIR_KERNELS(__half, __half)
 AMP_PAIR_KERNELS(__nv_bfloat16, __nv_bfloat16)
 
-template __global__ void amp_sum_squares<float>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, long long, long long);
-template __global__ void amp_sum_squares<__half>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, long long, long long);
-template __global__ void amp_sum_squares<__nv_bfloat16>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, long long, long long);
+template __global__ void amp_sum_squares<float>(const AMP_GRID_CONSTANT amp::Meta<1>, double*, long long, long long);
+template __global__ void amp_sum_squares<__half>(const AMP_GRID_CONSTANT amp::Meta<1>, double*, long long, long long);
+template __global__ void amp_sum_squares<__nv_bfloat16>(const AMP_GRID_CONSTANT amp::Meta<1>, double*, long long, long long);
