@@ -222,7 +222,9 @@ def initialize(
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)
         ]
-        amp_state.parameter_watch = distributed.watch_parameters(model_list, optimizer_list)
+        amp_state.parameter_watch = distributed.watch_parameters(
+            model_list, optimizer_list, on_move=model_module.follow_parameter
+        )
     except BaseException:
         ledger.restore()
         amp_state.reset()

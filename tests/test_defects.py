@@ -1,0 +1,129 @@
+"""Regression tests for the defects a hostile test pass found (issue 22), one or more per item."""
+
+import pytest
+import torch
+from torch.nn.utils import parametrize, prune
+
+import amp
+from amp._state import amp_state
+
+
+class _Identity(torch.nn.Module):
+    def forward(self, weight):
+        return weight
+
+
+def _move(module, how):
+    """Move `module.weight` the way parametrize / prune do; return its new state-dict key."""
+    if how == "parametrize":
+        parametrize.register_parametrization(module, "weight", _Identity())
+        return "parametrizations.weight.original"
+    prune.identity(module, "weight")
+    return "weight_orig"
+
+
+def _o2_model(optimizer=torch.optim.SGD):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = optimizer(model.parameters(), lr=0.1)
+    return amp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0, verbosity=0)
+
+
+def _master_of(optimizer, param):
+    return amp_state.masters[id(param)]
+
+
+# -- item 1: a parameter moved after initialize (parametrize, prune) -------------------------------
+
+
+@pytest.mark.parametrize("how", ["parametrize", "prune"])
+def test_item01_moved_parameter_state_dict_is_its_master(how):
+    model, optimizer = _o2_model()
+    weight = model[0].weight
+    master = _master_of(optimizer, weight)
+    master.data.add_(1e-4)  # a value FP16 cannot hold: a rounded copy would differ
+    with torch.no_grad():
+        weight.copy_(master)
+    key = "0." + _move(model[0], how)
+    state = model.state_dict()
+    assert state[key].dtype is torch.float32
+    assert torch.equal(state[key], master)
+    assert torch.equal(model[0].state_dict()[key[2:]], master)  # at the submodule's level too
+    amp.deinitialize()
+
+
+@pytest.mark.parametrize("how", ["parametrize", "prune"])
+def test_item01_load_into_moved_parameter_reaches_its_master(how):
+    model, optimizer = _o2_model()
+    key = "0." + _move(model[0], how)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state[key] = torch.full_like(state[key], 0.25)
+    model.load_state_dict(state)
+    weight = model[0].parametrizations.weight.original if how == "parametrize" else model[0].weight_orig
+    for param in amp.master_params(optimizer):
+        param.grad = torch.zeros_like(param)
+    optimizer.step()  # a zero-gradient step: the loaded weights must stay
+    assert torch.equal(_master_of(optimizer, weight), torch.full((4, 4), 0.25))
+    assert torch.equal(weight.float(), torch.full((4, 4), 0.25))
+    assert torch.equal(model.state_dict()[key], torch.full((4, 4), 0.25))
+    amp.deinitialize()
+
+
+@pytest.mark.parametrize("how", ["parametrize", "prune"])
+def test_item01_moved_parameter_trains_and_comes_back_fp32(how):
+    """An outside write to the moved FP16 weight reaches its master at the next step, training
+    goes on, and amp.deinitialize() gives the moved parameter its master's FP32 value."""
+    model, optimizer = _o2_model()
+    _move(model[0], how)
+    weight = model[0].parametrizations.weight.original if how == "parametrize" else model[0].weight_orig
+    with torch.no_grad():
+        weight.fill_(0.5)  # outside write, as a mask or a broadcast would make
+    for param in amp.master_params(optimizer):
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    master = _master_of(optimizer, weight)
+    assert torch.equal(master, torch.full((4, 4), 0.5))
+    loss = model(torch.randn(3, 4)).float().sum()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert not torch.equal(master, torch.full((4, 4), 0.5))
+    expected = master.detach().clone()
+    amp.deinitialize()
+    assert weight.dtype is torch.float32
+    assert torch.equal(weight, expected)
+    # The hooks amp put on the module parametrize made are gone with the rest.
+    plist = model[0].parametrizations.weight if how == "parametrize" else model[0]
+    assert not plist._state_dict_pre_hooks and not plist._load_state_dict_pre_hooks
+
+
+# -- item 2: one parameter shared by two models -----------------------------------------------------
+
+
+def test_item02_parameter_shared_between_models_has_one_master_in_both_state_dicts():
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    decoder = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    decoder[1].weight = encoder[0].weight
+    params = list({id(p): p for m in (encoder, decoder) for p in m.parameters()}.values())
+    optimizer = torch.optim.Adam(params, lr=0.1)
+    (encoder, decoder), optimizer = amp.initialize(
+        [encoder, decoder], optimizer, opt_level="O2", verbosity=0
+    )
+    shared = encoder[0].weight
+    for _ in range(3):
+        loss = decoder(encoder(torch.randn(2, 4))).float().pow(2).sum()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    master = _master_of(optimizer, shared)
+    assert torch.equal(encoder.state_dict()["0.weight"], master)
+    assert torch.equal(decoder.state_dict()["1.weight"], master)
+    # A write through either state dict is the master's, and reaches both models' forward.
+    decoder.state_dict()["1.weight"].fill_(0.125)
+    decoder(torch.randn(1, 4))
+    assert torch.equal(shared.float(), torch.full((4, 4), 0.125))
+    assert torch.equal(encoder.state_dict()["0.weight"], torch.full((4, 4), 0.125))
+    amp.deinitialize()
+    assert shared.dtype is torch.float32 and torch.equal(shared, torch.full((4, 4), 0.125))
