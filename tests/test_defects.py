@@ -127,3 +127,40 @@ def test_item02_parameter_shared_between_models_has_one_master_in_both_state_dic
     assert torch.equal(encoder.state_dict()["0.weight"], torch.full((4, 4), 0.125))
     amp.deinitialize()
     assert shared.dtype is torch.float32 and torch.equal(shared, torch.full((4, 4), 0.125))
+
+
+# -- item 4: a thread inside torch's own autocast region when O1 starts elsewhere --------------------
+
+
+def test_item04_thread_in_torch_region_is_cast_once_by_torch_then_joins_o1():
+    import threading
+
+    amp.deinitialize()  # no patches: the worker's region below is torch's own
+    seen = {}
+    ready, go = threading.Event(), threading.Event()
+
+    def worker():
+        a = torch.full((2, 2), 1e5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seen["torch alone"] = torch.mm(a, a)
+            ready.set()
+            go.wait(30)
+            seen["under O1"] = torch.mm(a, a)
+            seen["dtype"] = torch.get_autocast_dtype("cpu")
+            seen["enabled"] = torch.is_autocast_enabled("cpu")
+        seen["after"] = torch.mm(a, a).dtype  # torch's region is over: O1 casts here too
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        model = torch.nn.Linear(2, 2)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    finally:
+        go.set()
+        thread.join(30)
+    amp.deinitialize()
+    assert seen["torch alone"].dtype is torch.bfloat16
+    assert torch.equal(seen["under O1"], seen["torch alone"])  # 2e10, not inf
+    assert seen["dtype"] is torch.bfloat16 and seen["enabled"]
+    assert seen["after"] is torch.float16
