@@ -17,6 +17,7 @@ from .scaling.scaler import LossScaler, check_state
 from .weights import model as model_module
 from .weights import optimizer as optimizer_module
 from .weights.masters import match_state_to_params
+from .weights.snapshot import Snapshot
 
 _VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)\Z")
@@ -210,8 +211,13 @@ def initialize(
             "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
         )
     _check_models_and_optimizers(model_list, optimizer_list)
+    if properties.cast_model_type or cast_model_outputs is not None:
+        for index, model in enumerate(model_list):
+            model_module.check_hookable(model, index, properties.opt_level)
     distributed.check_engines(model_list, optimizer_list, properties)
 
+    snapshot = Snapshot(model_list, optimizer_list)
+    patches_installed = amp_state.torch_patches.installed
     ledger = PatchLedger()
     try:
         _set_verbosity(verbosity, ledger)
@@ -226,8 +232,7 @@ def initialize(
             model_list, optimizer_list, on_move=model_module.follow_parameter
         )
     except BaseException:
-        ledger.restore()
-        amp_state.reset()
+        _roll_back(ledger, snapshot, patches_installed)
         raise
     amp_state.initialized = True
     amp_state.enabled = True
@@ -239,6 +244,19 @@ def initialize(
     if optimizers is None:
         return model_result
     return model_result, (optimizer_list if optimizers_was_list else optimizer_list[0])
+
+
+def _roll_back(ledger, snapshot, patches_installed):
+    """Undo a failed initialize: models, optimizers and torch exactly as they were."""
+    try:
+        ledger.restore()
+    except Exception as error:  # the snapshot puts the objects back regardless
+        warnings.warn(f"amp.initialize failed, and undoing it raised {error!r}", RuntimeWarning)
+    finally:
+        snapshot.restore()
+        amp_state.reset()
+        if not patches_installed:
+            amp_state.torch_patches.drop()
 
 
 def _apply(properties, models, optimizers, cast_model_outputs, ledger):

@@ -164,3 +164,97 @@ def test_item04_thread_in_torch_region_is_cast_once_by_torch_then_joins_o1():
     assert torch.equal(seen["under O1"], seen["torch alone"])  # 2e10, not inf
     assert seen["dtype"] is torch.bfloat16 and seen["enabled"]
     assert seen["after"] is torch.float16
+
+
+# -- item 3: a failed initialize changes nothing ----------------------------------------------------
+
+
+def _trained_adam(model):
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    return optimizer
+
+
+def _everything(models, optimizer):
+    """What a failed initialize must leave as it was: objects by identity, values bit for bit."""
+    params = [p for model in models for p in model.parameters()]
+    return {
+        "params": [(p, p.dtype, p.data_ptr(), p.detach().clone(), p.grad) for p in params],
+        "grads": [None if p.grad is None else p.grad.clone() for p in params],
+        "attributes": dict(vars(optimizer)),
+        "groups": [(group, dict(group), list(group["params"])) for group in optimizer.param_groups],
+        "state": [
+            (key, value, {k: (v, v.clone()) for k, v in value.items()})
+            for key, value in optimizer.state.items()
+        ],
+        "torch": (torch.mm, torch.nn.functional.linear, torch.Tensor.matmul, torch.is_autocast_enabled),
+    }
+
+
+def _assert_unchanged(before, after):
+    for (p, dtype, ptr, value, grad), (q, dtype2, ptr2, value2, grad2) in zip(
+        before["params"], after["params"]
+    ):
+        assert p is q and dtype2 is dtype is torch.float32 and ptr2 == ptr
+        assert torch.equal(value2, value) and grad2 is grad
+    for a, b in zip(before["grads"], after["grads"]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert after["attributes"].keys() == before["attributes"].keys()
+    assert all(after["attributes"][k] is v for k, v in before["attributes"].items())
+    for (group, items, params), (group2, items2, params2) in zip(before["groups"], after["groups"]):
+        assert group2 is group and items2.keys() == items.keys()
+        assert all(a is b for a, b in zip(params, params2)) and len(params) == len(params2)
+    assert len(before["state"]) == len(after["state"])
+    for (key, value, items), (key2, value2, items2) in zip(before["state"], after["state"]):
+        assert key2 is key and value2 is value and items2.keys() == items.keys()
+        for name, (tensor, copy) in items.items():
+            assert items2[name][0] is tensor and torch.equal(items2[name][1], copy)
+            assert items2[name][1].dtype is copy.dtype
+    assert all(a is b for a, b in zip(before["torch"], after["torch"]))
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2", "O3"])
+def test_item03_torchscript_model_is_refused_before_anything_changes(opt_level):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 4)
+    scripted = torch.jit.script(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.Adam(list(plain.parameters()) + list(scripted.parameters()), lr=0.1)
+    for _ in range(2):
+        (plain(torch.randn(3, 4)).sum() + scripted(torch.randn(3, 4)).sum()).backward()
+        optimizer.step()
+    before = _everything([plain, scripted], optimizer)
+    with pytest.raises(RuntimeError, match="models\\[1\\] is a TorchScript module"):
+        amp.initialize([plain, scripted], optimizer, opt_level=opt_level, verbosity=0)
+    _assert_unchanged(before, _everything([plain, scripted], optimizer))
+    assert not amp_state.initialized
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_item03_initialize_failing_late_puts_everything_back_exactly(opt_level, monkeypatch):
+    """A failure after the models were cast (here: the last step of initialize raises) leaves
+    weights, gradients, optimizer state and groups, and torch exactly as they were: O3 keeps no
+    FP32 copy, so an undo alone would give the weights back rounded to FP16."""
+    from amp.compat import distributed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = _trained_adam(model)
+    model(torch.randn(3, 4)).sum().backward()  # gradients waiting too
+    buffers = {name: (b, b.clone()) for name, b in model.named_buffers()}
+    before = _everything([model], optimizer)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(distributed, "watch_parameters", fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    monkeypatch.undo()
+    _assert_unchanged(before, _everything([model], optimizer))
+    for name, buffer in model.named_buffers():
+        assert buffer is buffers[name][0] and torch.equal(buffer, buffers[name][1])
+    assert not amp_state.initialized and not amp_state.torch_patches.installed
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    amp.deinitialize()

@@ -49,6 +49,20 @@ def check_model(model, index):
                 )
 
 
+def check_hookable(model, index, opt_level):
+    """Refuse a model holding TorchScript modules where amp casts it or hooks its forward (O0, O2,
+    O3, or `cast_model_outputs`): they take no hooks and hide their tensors. Modifies nothing."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            where = f"models[{index}]" + (f" (its submodule {name!r})" if name else "")
+            raise RuntimeError(
+                f"amp.initialize: {where} is a TorchScript module ({type(module).__name__}); "
+                f"opt_level={opt_level!r} casts the model's weights and hooks its forward, which "
+                "TorchScript modules do not allow. Pass the Python module to amp.initialize and "
+                "use torch.compile rather than torch.jit.script (or script after training)."
+            )
+
+
 def parameters_to_cast(model, keep_batchnorm_fp32):
     """The FP32 parameters that casting `model` to low precision will change."""
     found = {}
