@@ -258,3 +258,56 @@ def test_item03_initialize_failing_late_puts_everything_back_exactly(opt_level, 
     assert not amp_state.initialized and not amp_state.torch_patches.installed
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
     amp.deinitialize()
+
+
+# -- item 6: an O2 optimizer load that cannot copy a master changes nothing ---------------------------
+
+
+class _Uncopyable(torch.Tensor):
+    """A master weight that passes every check and still cannot be copied from."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("this tensor cannot be copied")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _o2_adam_two_steps():
+    import copy
+
+    model, optimizer = _o2_model(torch.optim.Adam)
+
+    def step():
+        with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    step()
+    return model, optimizer, saved
+
+
+@pytest.mark.parametrize("bad", ["meta", "sparse", "uncopyable"])
+def test_item06_o2_optimizer_load_with_unusable_master_changes_nothing(bad):
+    model, optimizer, saved = _o2_adam_two_steps()
+    masters = dict(saved["amp_master_params"])
+    value = masters[0]
+    if bad == "meta":
+        masters[0] = value.to("meta")
+    elif bad == "sparse":
+        masters[0] = value.to_sparse()
+    else:
+        masters[0] = value.as_subclass(_Uncopyable)
+    saved["amp_master_params"] = masters
+    state = {param: {k: v.clone() for k, v in s.items()} for param, s in optimizer.state.items()}
+    params = [p.detach().clone() for p in amp.master_params(optimizer)]
+    with pytest.raises((ValueError, RuntimeError), match="meta|sparse|cannot be copied"):
+        optimizer.load_state_dict(saved)
+    assert all(float(s["step"]) == 2 for s in optimizer.state.values())
+    for param, entries in state.items():
+        assert all(torch.equal(optimizer.state[param][k], v) for k, v in entries.items())
+    assert all(torch.equal(p, q) for p, q in zip(amp.master_params(optimizer), params))
+    amp.deinitialize()

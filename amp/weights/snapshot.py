@@ -27,7 +27,7 @@ class Snapshot:
                 for param in group["params"]:
                     params.setdefault(id(param), param)
         self._params = [(param, param.data, param.grad) for param in params.values()]
-        self._optimizers = [_OptimizerSnapshot(optimizer) for optimizer in optimizers]
+        self._optimizers = [OptimizerSnapshot(optimizer) for optimizer in optimizers]
 
     def restore(self):
         with torch.no_grad():
@@ -41,7 +41,7 @@ class Snapshot:
             optimizer.restore()
 
 
-class _OptimizerSnapshot:
+class OptimizerSnapshot:
     """An optimizer's attributes, param groups (their dicts and "params" lists) and state."""
 
     def __init__(self, optimizer):
