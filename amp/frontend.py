@@ -348,6 +348,14 @@ def load_state_dict(state_dict):
         )
     scalers = amp_state.loss_scalers
     indices = {key: int(_SCALER_KEY.match(key).group(1)) for key in state_dict}
+    named = {}
+    for key, index in indices.items():
+        if named.setdefault(index, key) != key:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict. Keys {named[index]!r} and {key!r} both name "
+                f"loss scaler {index}; one of them would silently win. amp.state_dict() writes "
+                f"'loss_scaler{index}': keep that one."
+            )
     # Validate every entry, then write: a load either happens completely or changes nothing.
     entries = {
         index: check_state(key, state_dict[key], scalers[index] if index < len(scalers) else None)

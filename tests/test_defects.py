@@ -311,3 +311,37 @@ def test_item06_o2_optimizer_load_with_unusable_master_changes_nothing(bad):
         assert all(torch.equal(optimizer.state[param][k], v) for k, v in entries.items())
     assert all(torch.equal(p, q) for p, q in zip(amp.master_params(optimizer), params))
     amp.deinitialize()
+
+
+# -- item 7: duplicate scaler keys, a loss scale too large for a float -------------------------------
+
+
+def test_item07_two_keys_for_one_scaler_are_refused():
+    _o2_model()
+    before = amp.state_dict()
+    with pytest.raises(RuntimeError, match="'loss_scaler0' and 'loss_scaler00' both name loss scaler 0"):
+        amp.load_state_dict(
+            {
+                "loss_scaler0": {"loss_scale": 128.0, "unskipped": 0},
+                "loss_scaler00": {"loss_scale": 128.0, "unskipped": 3},
+            }
+        )
+    assert amp.state_dict() == before
+    amp.deinitialize()
+
+
+@pytest.mark.parametrize(
+    "scale", [10**400, -(10**400), 10**5000], ids=["1e400", "-1e400", "1e5000"]
+)
+def test_item07_huge_int_loss_scale_gets_amps_error(scale):
+    model, optimizer = amp.initialize(
+        torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+        opt_level="O1", verbosity=0,
+    )
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match="int of .* bits"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": scale, "unskipped": 0}})
+    with pytest.raises(ValueError, match="int of .* bits"):
+        amp._amp_state.loss_scalers[0]._loss_scale = scale
+    assert amp.state_dict() == before
+    amp.deinitialize()

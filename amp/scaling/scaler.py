@@ -188,11 +188,15 @@ def check_loss_scale(value, what):
     """`value` as a float if it is a loss scale a float32 holds as a normal number (the range
     every scale amp keeps lies in); else a ValueError naming `what`. Changes nothing."""
     value = _number(value, what)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and value > 0)
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
+    if isinstance(value, int) and abs(value) > _FLOAT32_MAX:  # float(10**400) would overflow
+        raise ValueError(
+            f"{what} must be a finite positive number that float32 holds: got an int of "
+            f"{value.bit_length()} bits{', negative' if value < 0 else ''}, beyond float32's "
+            f"largest value {_FLOAT32_MAX!r}."
+        )
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
     if not SCALE_FLOOR <= value <= _FLOAT32_MAX:
         raise ValueError(

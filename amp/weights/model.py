@@ -204,7 +204,9 @@ def _hook_module(module, follow):
     if hasattr(module, "register_load_state_dict_pre_hook"):
         load_pre_hook = module.register_load_state_dict_pre_hook
     else:  # torch < 2.5
-        load_pre_hook = functools.partial(module._register_load_state_dict_pre_hook, with_module=True)
+        load_pre_hook = functools.partial(
+            module._register_load_state_dict_pre_hook, with_module=True
+        )
     if hasattr(module, "register_state_dict_post_hook"):
         post_hook = module.register_state_dict_post_hook
     else:  # torch < 2.5
