@@ -377,6 +377,13 @@ def load_state_dict(state_dict):
             )
             continue
         scalers[index].load_state_dict(entry)
+        if entry["from_static"]:
+            logger.info(
+                "amp.load_state_dict: loss_scaler%d comes from a static loss scale; this run's "
+                "dynamic loss scaler starts from it (%s).",
+                index,
+                entry["loss_scale"],
+            )
 
 
 def master_params(optimizer):

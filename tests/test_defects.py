@@ -345,3 +345,65 @@ def test_item07_huge_int_loss_scale_gets_amps_error(scale):
         amp._amp_state.loss_scalers[0]._loss_scale = scale
     assert amp.state_dict() == before
     amp.deinitialize()
+
+
+# -- item 8: a static checkpoint resumed with a dynamic scaler ---------------------------------------
+
+
+def _scaled_step(model, optimizer, scale_input=1.0):
+    loss = model(torch.full((2, 4), scale_input)).float().sum()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_item08_static_checkpoint_starts_a_dynamic_scaler_at_its_scale(caplog):
+    source, optimizer = _o2_model()  # loss_scale=128.0: static
+    _scaled_step(source, optimizer)
+    saved = amp.state_dict()
+    assert saved["loss_scaler0"]["dynamic"] is False
+    amp.deinitialize()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, optimizer = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", loss_scale="dynamic"
+    )
+    with caplog.at_level("INFO", logger="amp"):
+        amp.load_state_dict(saved)
+    assert "comes from a static loss scale" in caplog.text
+    assert amp.state_dict()["loss_scaler0"] == {
+        "loss_scale": 128.0, "unskipped": 0, "dynamic": True
+    }
+    _scaled_step(model, optimizer, scale_input=float("inf"))  # an overflow: dynamic backs off
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 64.0
+    _scaled_step(model, optimizer)
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
+    amp.deinitialize()
+
+
+def test_item08_static_checkpoint_outside_the_dynamic_bounds_is_refused():
+    model = torch.nn.Linear(4, 2)
+    amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0,
+        max_loss_scale=1024.0,
+    )
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match="outside min_loss_scale=None and max_loss_scale=1024.0"):
+        amp.load_state_dict(
+            {"loss_scaler0": {"loss_scale": 4096.0, "unskipped": 0, "dynamic": False}}
+        )
+    assert amp.state_dict() == before
+    amp.deinitialize()
+
+
+def test_item08_dynamic_checkpoint_into_a_static_run_stays_refused():
+    model = torch.nn.Linear(4, 2)
+    amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0,
+        loss_scale=128.0,
+    )
+    entry = {"loss_scale": 128.0, "unskipped": 0, "dynamic": True}
+    with pytest.raises(ValueError, match="from a dynamic loss scaler, but this run's is static"):
+        amp.load_state_dict({"loss_scaler0": entry})
+    amp.deinitialize()

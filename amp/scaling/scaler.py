@@ -239,15 +239,25 @@ def check_state(key, state, scaler=None):
         raise ValueError(
             f"amp.load_state_dict: {key!r}['dynamic'] must be True or False; got {dynamic!r}."
         )
-    if scaler is not None and dynamic is not None and dynamic != scaler.dynamic:
-        kind, here = ("dynamic", "static") if dynamic else ("static", "dynamic")
+    if scaler is not None and dynamic and not scaler.dynamic:
         raise ValueError(
-            f"amp.load_state_dict: {key!r} comes from a {kind} loss scaler, but this run's is "
-            f"{here}: its scale would be taken for this run's, unchecked. Initialize with the "
-            f"checkpoint's kind (loss_scale='dynamic', or loss_scale=<the static value>), or "
-            "leave the amp state out of the load."
+            f"amp.load_state_dict: {key!r} comes from a dynamic loss scaler, but this run's is "
+            "static: its scale would be taken for this run's, unchecked. Initialize with "
+            "loss_scale='dynamic' to continue from it, or leave the amp state out of the load."
         )
     scale = torch.tensor(scale, dtype=torch.float32).item()  # what the scaler will hold
+    from_static = dynamic is False and scaler is not None and scaler.dynamic
+    if from_static:
+        # A static run resumed with loss_scale="dynamic" (as apex did): the dynamic scale starts
+        # at the checkpoint's, within this scaler's bounds, and counts clean steps from zero.
+        low, high = scaler.min_loss_scale, scaler.max_loss_scale
+        if not ((low is None or low <= scale) and (high is None or scale <= high)):
+            raise ValueError(
+                f"amp.load_state_dict: {key!r} holds the static loss scale {scale}, outside "
+                f"min_loss_scale={low} and max_loss_scale={high} of this dynamic scaler. Pass "
+                "bounds that include it to amp.initialize, or leave the amp state out of the load."
+            )
+        unskipped = 0
     if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:
         raise ValueError(
             f"amp.load_state_dict: {key!r} has loss scale {scale}, but this run uses the static "
@@ -256,4 +266,4 @@ def check_state(key, state, scaler=None):
             f"amp.initialize(..., loss_scale='dynamic') or loss_scale={scale}; or leave the amp "
             "state out of the load."
         )
-    return {"loss_scale": scale, "unskipped": int(unskipped)}
+    return {"loss_scale": scale, "unskipped": int(unskipped), "from_static": from_static}
