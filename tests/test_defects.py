@@ -407,3 +407,44 @@ def test_item08_dynamic_checkpoint_into_a_static_run_stays_refused():
     with pytest.raises(ValueError, match="from a dynamic loss scaler, but this run's is static"):
         amp.load_state_dict({"loss_scaler0": entry})
     amp.deinitialize()
+
+
+# -- item 5: apex's _unskipped written out of range -------------------------------------------------
+
+
+@pytest.mark.parametrize("after_first_step", [False, True])
+@pytest.mark.parametrize("value", [2**31, 2000, -1, 1.5])
+def test_item05_unskipped_write_out_of_range_is_refused_and_changes_nothing(
+    value, after_first_step
+):
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0
+    )
+    if after_first_step:
+        _scaled_step(model, optimizer)
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match="_unskipped"):
+        amp._amp_state.loss_scalers[0]._unskipped = value
+    assert amp.state_dict() == before
+    _scaled_step(model, optimizer)  # scale_loss still works, and the state round-trips
+    amp.load_state_dict(amp.state_dict())
+    amp._amp_state.loss_scalers[0]._loss_scale = 8.0
+    amp._amp_state.loss_scalers[0]._unskipped = 1999  # the largest count: it grows next step
+    _scaled_step(model, optimizer)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 16.0, "unskipped": 0, "dynamic": True}
+    amp.deinitialize()
+
+
+def test_item05_apex_static_count_into_a_dynamic_run_starts_counting_from_zero():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 50000}})  # apex O3
+    expected = {"loss_scale": 128.0, "unskipped": 0, "dynamic": True}
+    assert amp.state_dict()["loss_scaler0"] == expected
+    with pytest.raises(ValueError, match="growth interval"):  # amp's own dynamic dict: damaged
+        amp.load_state_dict(
+            {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 5000, "dynamic": True}}
+        )
+    amp.deinitialize()

@@ -130,6 +130,16 @@ class LossScaler:
             )
         self.load_state_dict({"loss_scale": value, "unskipped": self.unskipped()})
 
+    def set_unskipped(self, value, what="the count of clean steps"):
+        """Make `value` the count apex's `_unskipped` reports: the growth counter of a dynamic
+        scaler, the passes of a static one (validated; on error nothing changes)."""
+        value = check_count(value, what, self)
+        if self.dynamic:
+            self.load_state_dict({"loss_scale": self.loss_scale(), "unskipped": value})
+        else:
+            self.load_state_dict({"loss_scale": self.loss_scale(), "unskipped": 0})
+            self.static_passes = value
+
     def check_can_change(self, what):
         """Raise if gradients scaled by this scaler wait to be unscaled: they would be unscaled
         with the new scale. Changes nothing."""
@@ -206,6 +216,28 @@ def check_loss_scale(value, what):
     return float(value)
 
 
+def check_count(value, what, scaler=None):
+    """`value` as an int if it is a count of clean steps `scaler` can hold, else a ValueError
+    naming `what`; changes nothing. A dynamic scaler's count stays below its growth interval (it
+    restarts there; one above would never grow the scale and would run past int32); any count
+    fits int32."""
+    count = _number(value, what)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{what} must be a non-negative int; got {value!r}.")
+    if count > _INT32_MAX:
+        raise ValueError(
+            f"{what} = {count} does not fit the int32 count of clean steps (at most "
+            f"{_INT32_MAX}); a count that large cannot come from training."
+        )
+    if scaler is not None and scaler.dynamic and count >= scaler.growth_interval:
+        raise ValueError(
+            f"{what} = {count}: a dynamic loss scaler counts clean steps up to its growth "
+            f"interval ({scaler.growth_interval}), where it doubles the scale and restarts from "
+            f"0; expected 0 to {scaler.growth_interval - 1}."
+        )
+    return count
+
+
 def check_state(key, state, scaler=None):
     """The entry `state` ({"loss_scale", "unskipped"}) as it will be stored, or a clear error.
 
@@ -223,17 +255,7 @@ def check_state(key, state, scaler=None):
     if missing:
         raise ValueError(f"amp.load_state_dict: entry {key!r} lacks {sorted(missing)}.")
     scale = check_loss_scale(state["loss_scale"], f"amp.load_state_dict: {key!r}['loss_scale']")
-    unskipped = _number(state["unskipped"], f"amp.load_state_dict: {key!r}['unskipped']")
-    if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['unskipped'] must be a non-negative int; "
-            f"got {state['unskipped']!r}."
-        )
-    if unskipped > _INT32_MAX:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['unskipped'] = {unskipped} does not fit the int32 "
-            f"step count (at most {_INT32_MAX}); the checkpoint is damaged."
-        )
+    unskipped = check_count(state["unskipped"], f"amp.load_state_dict: {key!r}['unskipped']")
     dynamic = state.get("dynamic")
     if dynamic is not None and not isinstance(dynamic, bool):
         raise ValueError(
@@ -246,10 +268,16 @@ def check_state(key, state, scaler=None):
             "loss_scale='dynamic' to continue from it, or leave the amp state out of the load."
         )
     scale = torch.tensor(scale, dtype=torch.float32).item()  # what the scaler will hold
-    from_static = dynamic is False and scaler is not None and scaler.dynamic
+    # A static run resumed with loss_scale="dynamic" (as apex did): the dynamic scale starts at
+    # the checkpoint's, within this scaler's bounds, and counts clean steps from zero. apex's
+    # dicts carry no kind; a count past the growth interval shows a static one (it counted every
+    # pass), while a dynamic scaler restarts its count there.
+    from_static = (
+        scaler is not None
+        and scaler.dynamic
+        and (dynamic is False or (dynamic is None and unskipped >= scaler.growth_interval))
+    )
     if from_static:
-        # A static run resumed with loss_scale="dynamic" (as apex did): the dynamic scale starts
-        # at the checkpoint's, within this scaler's bounds, and counts clean steps from zero.
         low, high = scaler.min_loss_scale, scaler.max_loss_scale
         if not ((low is None or low <= scale) and (high is None or scale <= high)):
             raise ValueError(
@@ -258,6 +286,8 @@ def check_state(key, state, scaler=None):
                 "bounds that include it to amp.initialize, or leave the amp state out of the load."
             )
         unskipped = 0
+    elif scaler is not None:
+        check_count(unskipped, f"amp.load_state_dict: {key!r}['unskipped']", scaler)
     if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:
         raise ValueError(
             f"amp.load_state_dict: {key!r} has loss scale {scale}, but this run uses the static "
