@@ -448,3 +448,49 @@ def test_item05_apex_static_count_into_a_dynamic_run_starts_counting_from_zero()
             {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 5000, "dynamic": True}}
         )
     amp.deinitialize()
+
+
+# -- item 9: torch's C bindings, and an invalid device string ----------------------------------------
+
+
+def _table_kinds():
+    from amp import lists
+
+    return {(entry.namespace, entry.name): entry.kind for entry in lists.entries()}
+
+
+def test_item09_c_bindings_take_their_functions_policy_and_are_restored():
+    from amp import lists
+
+    bindings = lists.bindings()
+    originals = {binding: getattr(torch._C._nn, binding[1]) for binding in bindings}
+    kinds = _table_kinds()
+    with amp.autocast(dtype=torch.bfloat16):
+        for (path, name), source in bindings.items():
+            assert getattr(torch._C._nn, name).__amp_kind__ == kinds[source], name
+        x = torch.randn(2, 3, 4, 4, 4)
+        assert torch._C._nn.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype is torch.bfloat16
+        assert torch._C._nn.softplus(x.bfloat16()).dtype is torch.float32
+        assert torch._C._nn.upsample_nearest3d(x.bfloat16(), [8, 8, 8]).dtype is torch.float32
+        assert torch._C._nn.avg_pool3d(x.bfloat16(), 2).dtype is torch.float32
+        with pytest.raises(NotImplementedError, match="BCEWithLogitsLoss"):
+            torch._C._nn.binary_cross_entropy(x.bfloat16().sigmoid(), x.bfloat16().sigmoid())
+    amp.deinitialize()
+    assert all(getattr(torch._C._nn, name) is originals[(path, name)] for path, name in bindings)
+
+
+def test_item09_a_registration_of_the_function_rules_its_binding_too(registrations):
+    amp.register_half_function(torch.nn.functional, "mse_loss")
+    x = torch.randn(4, 4)
+    with amp.autocast(dtype=torch.bfloat16):
+        assert torch._C._nn.mse_loss(x, x).dtype is torch.bfloat16
+    amp.deinitialize()
+
+
+def test_item09_autocast_with_an_invalid_device_string_raises_torchs_error():
+    with pytest.raises(RuntimeError, match="Invalid device string: 'not a real device'"):
+        torch.autocast("not a real device")
+    with pytest.raises(RuntimeError, match="Invalid device string: 'not a real device'"):
+        amp.autocast("not a real device")
+    with pytest.raises(RuntimeError, match="unsupported device_type 'xpu'"):
+        amp.autocast("xpu")
