@@ -97,6 +97,26 @@ def test_item01_moved_parameter_trains_and_comes_back_fp32(how):
     assert not plist._state_dict_pre_hooks and not plist._load_state_dict_pre_hooks
 
 
+def test_item01_parametrization_removed_again_is_followed_back():
+    model, optimizer = _o2_model()
+    weight = model[0].weight
+    master = _master_of(optimizer, weight)
+    master.data.add_(1e-4)
+    with torch.no_grad():
+        weight.copy_(master)
+    _move(model[0], "parametrize")
+    assert torch.equal(model.state_dict()["0.parametrizations.weight.original"], master)
+    parametrize.remove_parametrizations(model[0], "weight", leave_parametrized=False)
+    state = model.state_dict()
+    assert sorted(state) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert torch.equal(state["0.weight"], master)
+    state["0.weight"] = torch.full((4, 4), 0.25)
+    model.load_state_dict(state)
+    assert torch.equal(master, torch.full((4, 4), 0.25))
+    amp.deinitialize()
+    assert weight.dtype is torch.float32 and torch.equal(weight, torch.full((4, 4), 0.25))
+
+
 # -- item 2: one parameter shared by two models -----------------------------------------------------
 
 

@@ -115,7 +115,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     follow = FollowMoves(model, model_shadows, by_module)
 
     def undo():
-        follow.everywhere()
+        follow.everywhere()  # a parameter moved since (parametrize) gets its FP32 value too
         model_shadows.sync()
         fp32_of = {id(s.current()): s.fp32 for s in model_shadows.shadows if s.is_param}
         with torch.no_grad():
@@ -224,59 +224,66 @@ class FollowMoves:
     """State-dict and load pre-hook: shadows follow parameters that moved after initialize.
 
     `torch.nn.utils.parametrize` moves a parameter to `<module>.parametrizations.<name>.original`
-    and `torch.nn.utils.prune` to `<module>.<name>_orig`; the parameter object stays the same.
-    Before a module's state dict is saved or loaded, each of its shadowed parameters that is no
-    longer at its name is looked up in the model and its shadow re-anchored there (a module made
-    after initialize gets amp's state-dict hooks), so the state dict holds the FP32 master under
-    the new key and a load writes the master. A parameter found nowhere (deleted, or replaced by
-    an assignment) keeps its shadow where it was. Nothing is searched while nothing moved.
+    (and `remove_parametrizations` back), `torch.nn.utils.prune` to `<module>.<name>_orig`; the
+    parameter object stays the same. Before a module's state dict is saved or loaded, a shadowed
+    parameter that left one of its names is looked up in the model, and one that arrived under a
+    name is recognised, and its shadow re-anchored there (a module made after initialize gets
+    amp's state-dict hooks): the state dict holds the FP32 master under the new key and a load
+    writes the master. A parameter found nowhere (deleted, or replaced by an assignment) keeps
+    its shadow where it was. A module whose parameters sit where they were costs a few lookups.
     """
 
     def __init__(self, model, model_shadows, by_module):
         self.model = model
         self.model_shadows = model_shadows
         self.by_module = by_module  # module -> {name: Shadow}, shared with the other hooks
+        # id(parameter) -> its shadow (O2; O3 keeps none, and has nothing to follow)
+        self.shadow_of = {id(s.current()): s for s in model_shadows.shadows if s.is_param}
 
     def __call__(self, module, *args):
         by_name = self.by_module.get(module)
-        if by_name and any(
-            shadow.is_param and module._parameters.get(name) is None
-            for name, shadow in by_name.items()
-        ):
-            self._follow(module, by_name, register=True)
+        if not self.shadow_of or by_name is None:
+            return
+        parameters = module._parameters
+        for name, shadow in list(by_name.items()):
+            if shadow.is_param and parameters.get(name) is None:
+                self._moved_away(by_name, name, shadow)
+        for name, param in parameters.items():
+            if param is not None and name not in by_name:
+                shadow = self.shadow_of.get(id(param))
+                if shadow is not None and shadow.low is param:
+                    by_name[name] = shadow  # arrived here (moved back, or from elsewhere)
+                    self._relocate(shadow, module, name)
+
+    def _moved_away(self, by_name, name, shadow):
+        for new_module in self.model.modules():
+            for new_name, param in new_module._parameters.items():
+                served = self.by_module.get(new_module, {}).get(new_name) is shadow
+                if param is shadow.low and not served:
+                    del by_name[name]
+                    if new_module not in self.by_module:
+                        self.by_module[new_module] = {}
+                        handles = _hook_module(new_module, self)
+                        if any(model is self.model for model in amp_state.models):
+                            for handle in handles:
+                                amp_state.ledger.add_hook(handle, "FP32 state dict hook")
+                    self.by_module[new_module][new_name] = shadow
+                    self._relocate(shadow, new_module, new_name)
+                    return
+
+    @staticmethod
+    def _relocate(shadow, module, name):
+        """Make the shadow read its parameter at `module.name` if its own place lost it."""
+        if shadow.module._parameters.get(shadow.name) is not shadow.low:
+            shadow.module, shadow.name = module, name
 
     def everywhere(self):
-        """Follow every move in the model (at undo: no new hooks)."""
-        for module, by_name in list(self.by_module.items()):
-            self._follow(module, by_name, register=False)
-
-    def _follow(self, module, by_name, register):
-        for name, shadow in list(by_name.items()):
-            if not shadow.is_param or module._parameters.get(name) is not None:
-                continue
-            place = self._find(shadow)
-            if place is None:
-                continue  # deleted or replaced: nothing to follow
-            new_module, new_name = place
-            del by_name[name]
-            if new_module not in self.by_module:
-                self.by_module[new_module] = {}
-                if register:
-                    handles = _hook_module(new_module, self)
-                    if any(model is self.model for model in amp_state.models):
-                        for handle in handles:
-                            amp_state.ledger.add_hook(handle, "FP32 state dict hook")
-            self.by_module[new_module][new_name] = shadow
-            if shadow.module._parameters.get(shadow.name) is not shadow.low:
-                shadow.module, shadow.name = new_module, new_name
-
-    def _find(self, shadow):
-        """(module, name) where the shadow's parameter is now and no entry serves it, or None."""
+        """Every shadow reads its parameter where it is now (at undo: no hooks are added)."""
         for module in self.model.modules():
             for name, param in module._parameters.items():
-                if param is shadow.low and self.by_module.get(module, {}).get(name) is not shadow:
-                    return module, name
-        return None
+                shadow = self.shadow_of.get(id(param))
+                if shadow is not None and shadow.low is param:
+                    self._relocate(shadow, module, name)
 
 
 def follow_parameter(param, module, name):
