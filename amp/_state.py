@@ -28,9 +28,10 @@ class ThreadState(threading.local):
     """
 
     default_policy = None  # the CastPolicy of every thread whose own policy is INHERIT
+    first_policy = staticmethod(lambda: INHERIT)  # a new thread's policy (casting/torch_autocast)
 
     def __init__(self):
-        self.policy = INHERIT  # this thread's own: a CastPolicy, None (nothing cast) or INHERIT
+        self.policy = ThreadState.first_policy()  # this thread's own: a CastPolicy, None or INHERIT
         self.trace = None  # the innermost active casting.trace.Trace, or None
         self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
 

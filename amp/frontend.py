@@ -17,6 +17,7 @@ from .scaling.scaler import LossScaler, check_state
 from .weights import model as model_module
 from .weights import optimizer as optimizer_module
 from .weights.masters import match_state_to_params
+from .weights.snapshot import Snapshot
 
 _VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)\Z")
@@ -210,8 +211,13 @@ def initialize(
             "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
         )
     _check_models_and_optimizers(model_list, optimizer_list)
+    if properties.cast_model_type or cast_model_outputs is not None:
+        for index, model in enumerate(model_list):
+            model_module.check_hookable(model, index, properties.opt_level)
     distributed.check_engines(model_list, optimizer_list, properties)
 
+    snapshot = Snapshot(model_list, optimizer_list)
+    patches_installed = amp_state.torch_patches.installed
     ledger = PatchLedger()
     try:
         _set_verbosity(verbosity, ledger)
@@ -222,10 +228,11 @@ def initialize(
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)
         ]
-        amp_state.parameter_watch = distributed.watch_parameters(model_list, optimizer_list)
+        amp_state.parameter_watch = distributed.watch_parameters(
+            model_list, optimizer_list, on_move=model_module.follow_parameter
+        )
     except BaseException:
-        ledger.restore()
-        amp_state.reset()
+        _roll_back(ledger, snapshot, patches_installed)
         raise
     amp_state.initialized = True
     amp_state.enabled = True
@@ -237,6 +244,19 @@ def initialize(
     if optimizers is None:
         return model_result
     return model_result, (optimizer_list if optimizers_was_list else optimizer_list[0])
+
+
+def _roll_back(ledger, snapshot, patches_installed):
+    """Undo a failed initialize: models, optimizers and torch exactly as they were."""
+    try:
+        ledger.restore()
+    except Exception as error:  # the snapshot puts the objects back regardless
+        warnings.warn(f"amp.initialize failed, and undoing it raised {error!r}", RuntimeWarning)
+    finally:
+        snapshot.restore()
+        amp_state.reset()
+        if not patches_installed:
+            amp_state.torch_patches.drop()
 
 
 def _apply(properties, models, optimizers, cast_model_outputs, ledger):
@@ -328,6 +348,14 @@ def load_state_dict(state_dict):
         )
     scalers = amp_state.loss_scalers
     indices = {key: int(_SCALER_KEY.match(key).group(1)) for key in state_dict}
+    named = {}
+    for key, index in indices.items():
+        if named.setdefault(index, key) != key:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict. Keys {named[index]!r} and {key!r} both name "
+                f"loss scaler {index}; one of them would silently win. amp.state_dict() writes "
+                f"'loss_scaler{index}': keep that one."
+            )
     # Validate every entry, then write: a load either happens completely or changes nothing.
     entries = {
         index: check_state(key, state_dict[key], scalers[index] if index < len(scalers) else None)
@@ -349,6 +377,13 @@ def load_state_dict(state_dict):
             )
             continue
         scalers[index].load_state_dict(entry)
+        if entry["from_static"]:
+            logger.info(
+                "amp.load_state_dict: loss_scaler%d comes from a static loss scale; this run's "
+                "dynamic loss scaler starts from it (%s).",
+                index,
+                entry["loss_scale"],
+            )
 
 
 def master_params(optimizer):

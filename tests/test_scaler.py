@@ -106,6 +106,7 @@ def test_state_round_trip_and_validation():
     assert check_state("k", {"loss_scale": torch.tensor(4.0), "unskipped": torch.tensor(2)}) == {
         "loss_scale": 4.0,
         "unskipped": 2,
+        "from_static": False,
     }
     for bad in (
         {"loss_scale": 0.0, "unskipped": 0},

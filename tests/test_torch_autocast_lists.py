@@ -3,8 +3,9 @@
 Each entry of `torch.testing._internal.autocast_test_lists.AutocastCPUTestLists` must give the
 dtype torch's CPU autocast tests expect, and the same values as torch's control (the arguments
 cast to that dtype by hand, run with casting off), or be listed in DIFFERENCES with its reason.
-Ops torch's lists call through `torch._C._nn` run here through their public `torch.nn.functional`
-function, which is what amp patches.
+The ops torch's lists call through `torch._C._nn` run both as torch's tests call them (the C
+binding, which amp patches with its function's policy) and through their public
+`torch.nn.functional` function, as models call them.
 """
 
 import collections
@@ -29,6 +30,7 @@ DIFFERENCES = {
 _PUBLIC = {
     "nll_loss2d": lambda input, target: F.nll_loss(input, target),
 }
+_C_NN = torch._C._nn
 
 
 def _entries(dtype):
@@ -49,8 +51,11 @@ def _entries(dtype):
                     a.half() if torch.is_tensor(a) and a.dtype is torch.bfloat16 else a
                     for a in args
                 )
-            module = F if name.startswith("nn") else torch
-            yield name, op, args, kwargs, expected, module
+            if name.startswith("nn"):
+                yield name, op, args, kwargs, expected, _C_NN
+                yield name + "-public", op, args, kwargs, expected, F
+            else:
+                yield name, op, args, kwargs, expected, torch
     for name in (
         "torch_need_autocast_promote",
         "torch_expect_builtin_promote",
@@ -80,10 +85,8 @@ def _equal(first, second):
 
 
 def _call(module, op, args, kwargs):
-    if op in _PUBLIC:
+    if module is F and op in _PUBLIC:
         return _PUBLIC[op](*args, **kwargs)
-    if op == "reflection_pad1d":
-        return F.pad(args[0], kwargs["padding"], mode="reflect")
     if module is not None and hasattr(module, op):
         return getattr(module, op)(*args, **kwargs)
     return getattr(args[0], op)(*args[1:], **kwargs)

@@ -77,6 +77,13 @@ def _check_device_type(device_type):
     if not isinstance(device_type, str):
         raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
     if device_type not in DEVICE_TYPES:
+        try:
+            torch.device(device_type)
+        except RuntimeError as error:  # a string that names no device: torch's error, as its own
+            raise RuntimeError(
+                f"{error} (amp.autocast: unsupported device_type {device_type!r}; amp casts on "
+                "cpu and cuda, or on both with device_type=None)"
+            ) from None
         raise RuntimeError(
             f"amp.autocast: unsupported device_type {device_type!r}; amp casts on "
             f"{' and '.join(DEVICE_TYPES)} (pass device_type=None for both). For other devices "

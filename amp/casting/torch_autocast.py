@@ -16,6 +16,7 @@ import sys
 import torch
 
 from .._state import INHERIT, ThreadState, amp_state
+from . import native_autocast as native_state
 from .autocast import enter_region, exit_region
 from .casts import DEVICE_TYPES
 from .patching import ORIGINAL_ATTRIBUTE
@@ -23,6 +24,66 @@ from .patching import ORIGINAL_ATTRIBUTE
 _thread = amp_state.thread
 _is_compiling = torch.compiler.is_compiling
 _GRAPH_ENTER = torch.amp.autocast_mode._enter_autocast.__code__  # FX graphs' autocast entry
+
+
+class _TorchRegion:
+    """The policy of a thread that amp first sees inside a torch.autocast region of torch's own
+    (opened before amp's patches were installed, so torch's dispatcher casts there).
+
+    While torch's autocast is on in the thread amp casts nothing and torch's readers answer, so
+    an op is cast once, as torch alone would. Once it is off the thread inherits amp's policy
+    again (O1's): the region's `__exit__` was bound before amp patched it, so amp notices at the
+    thread's next patched call. Duck-types CastPolicy for the wrappers and regions.
+    """
+
+    __slots__ = ()
+
+    def current(self):
+        """None while torch's region is on; else the policy the thread inherits from now on."""
+        if native_state.any_enabled():
+            return None
+        if _thread.policy is self:
+            _thread.policy = INHERIT
+        return ThreadState.default_policy
+
+    def _ask(self, name, default, *args):
+        policy = self.current()
+        if policy is None:
+            return default
+        value = getattr(policy, name)
+        return value(*args) if args else value
+
+    cpu = property(lambda self: self._ask("cpu", None))
+    cuda = property(lambda self: self._ask("cuda", None))
+    cache_enabled = property(lambda self: self._ask("cache_enabled", True))
+    device_filter = property(lambda self: self._ask("device_filter", _nothing))
+
+    def to_low(self, values):
+        return self._ask("to_low", None, values)
+
+    def to_fp32(self, values):
+        return self._ask("to_fp32", None, values)
+
+    def dtype_for(self, device_type):
+        return self._ask("dtype_for", None, device_type)
+
+    def target_for(self, tensor):
+        return self._ask("target_for", None, tensor)
+
+
+def _nothing(tensor):
+    return False
+
+
+_TORCH_REGION = _TorchRegion()
+
+
+def _first_policy():
+    """A thread's policy when amp first sees it (_state.ThreadState)."""
+    return _TORCH_REGION if native_state.any_enabled() else INHERIT
+
+
+ThreadState.first_policy = staticmethod(_first_policy)
 
 
 def _amp_policy():
@@ -34,6 +95,9 @@ def _amp_policy():
     policy = _thread.policy
     if policy is INHERIT:
         policy = ThreadState.default_policy
+        return policy is not None, policy
+    if policy is _TORCH_REGION:
+        policy = policy.current()
         return policy is not None, policy
     return True, policy
 

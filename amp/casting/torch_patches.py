@@ -100,6 +100,7 @@ class TorchPatches:
         for (namespace, name), kind in registered.items():
             display = f"{getattr(namespace, '__name__', type(namespace).__name__)}.{name}"
             plan.append((namespace, name, kind, None, display))
+        plan += self._bindings(plan, overridden)
         wrapped = [
             (
                 namespace,
@@ -109,6 +110,25 @@ class TorchPatches:
             for namespace, name, kind, message, display in self._without_delegates(plan, overridden)
         ]
         return wrapped + torch_autocast.patches()
+
+    @staticmethod
+    def _bindings(plan, registered):
+        """Plan steps for the C bindings (torch._C._nn) of planned functions: each with its
+        function's policy, unless the user registered the binding itself."""
+        planned = {(id(namespace), name): step for namespace, name, *step in plan}
+        steps = []
+        for (path, binding), (source_path, source) in lists.bindings().items():
+            namespace = lists.resolve_namespace(path)
+            step = planned.get((id(lists.resolve_namespace(source_path)), source))
+            key = (id(namespace), binding)
+            if step is None or key in registered or key in planned:
+                continue
+            if not hasattr(namespace, binding):
+                logger.debug("amp: %s.%s is not in this torch; not patched", path, binding)
+                continue
+            kind, message, _ = step
+            steps.append((namespace, binding, kind, message, f"{path}.{binding}"))
+        return steps
 
     @staticmethod
     def _without_delegates(plan, registered):

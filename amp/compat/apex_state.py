@@ -6,7 +6,6 @@ state (`amp._state.amp_state` and its `LossScaler`s), never a copy: a write chan
 does next, with amp's validation.
 """
 
-
 from .._state import amp_state
 
 # apex's Properties() before initialize, and after initialize(enabled=False).
@@ -42,7 +41,8 @@ class LossScalerView:
     ``if amp._amp_state.loss_scalers[0]._unskipped != 0: scheduler.step()`` steps at every
     level. (`amp.state_dict()` keeps reporting 0 for static scalers, see CHANGELOG.) Writing
     `_unskipped` sets that count; for a dynamic scaler it is the growth counter (the scale
-    doubles when it reaches the growth interval, 2000).
+    doubles when it reaches the growth interval, 2000, so it takes 0 to 1999), for a static one
+    any int32 count. A write out of range raises ValueError and changes nothing.
     """
 
     _WRITABLE = ("_loss_scale", "_unskipped")
@@ -72,13 +72,7 @@ class LossScalerView:
 
     @_unskipped.setter
     def _unskipped(self, value):
-        scaler = self._amp_scaler
-        value = _check_count(value, "amp._amp_state.loss_scalers[i]._unskipped")
-        if scaler.dynamic:
-            scaler.load_state_dict({"loss_scale": scaler.loss_scale(), "unskipped": value})
-        else:
-            scaler.load_state_dict({"loss_scale": scaler.loss_scale(), "unskipped": 0})
-            scaler.static_passes = value
+        self._amp_scaler.set_unskipped(value, "amp._amp_state.loss_scalers[i]._unskipped")
 
     @property
     def dynamic(self):

@@ -212,13 +212,14 @@ class ParameterWatch:
     assignment replaces module parameters: the optimizer (or amp's FP32 masters) would then step
     tensors the model no longer uses, and training would silently do nothing. A parameter that
     only moved (torch.nn.utils.parametrize keeps it as `parametrizations.<name>.original`) is
-    still trained: the watch follows it.
+    still trained: the watch follows it, and tells `on_move(param, module, name)` where it went.
     """
 
-    def __init__(self, models, optimizers):
+    def __init__(self, models, optimizers, on_move=None):
         stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
         stepped.update(amp_state.masters)  # O2: the optimizer steps the masters of these
         self._models = models
+        self._on_move = on_move
         places = _places(models)
         self._params = [place[3] for key, place in places.items() if key in stepped]
         self._qualified = [place[2] for key, place in places.items() if key in stepped]
@@ -248,11 +249,16 @@ class ParameterWatch:
                 "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
                 "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
             )
+        if self._on_move is not None:
+            for param, parameters, name in zip(self._params, self._dicts, self._names):
+                place = places.get(id(param))
+                if place is not None and parameters.get(name) is not param:
+                    self._on_move(param, place[4], place[1])
         self._anchor(places)
 
 
 def _places(models):
-    """{id(param): (module._parameters, name, qualified name, param)}, first place only."""
+    """{id(param): (module._parameters, name, qualified name, param, module)}, first place only."""
     found = {}
     for index, model in enumerate(models):
         prefix = f"model{index}." if len(models) > 1 else ""
@@ -260,14 +266,14 @@ def _places(models):
             for name, param in module._parameters.items():
                 if param is not None and id(param) not in found:
                     qualified = prefix + (f"{module_name}.{name}" if module_name else name)
-                    found[id(param)] = (module._parameters, name, qualified, param)
+                    found[id(param)] = (module._parameters, name, qualified, param, module)
     return found
 
 
-def watch_parameters(models, optimizers):
+def watch_parameters(models, optimizers, on_move=None):
     if not optimizers:
         return None
-    return ParameterWatch(models, optimizers)
+    return ParameterWatch(models, optimizers, on_move)
 
 
 def check_parameters(caller):

@@ -50,6 +50,8 @@ NEWER_THAN_TORCH_2_1 = {
 }
 
 
+_BINDING_OF_INTERPOLATE = "a torch._C._nn binding of F.interpolate (C_BINDINGS)"
+
 # Ops torch registers for autocast (CUDA or CPU, torch 2.13) that no table names, and why. A test
 # compares this with the installed torch's dispatcher, so a torch upgrade that adds ops is seen.
 NOT_IN_TABLES = {
@@ -61,20 +63,20 @@ NOT_IN_TABLES = {
     "_thnn_fused_lstm_cell": "not reachable from Python; the cells go through torch._VF",
     "mkldnn_rnn_layer": "called from C++ inside torch._VF.lstm, which is patched",
     "multilabel_margin_loss_forward": "reached through F.multilabel_margin_loss",
-    "cross_entropy_loss": "reached through F.cross_entropy",
-    "nll_loss2d": "reached through F.nll_loss",
-    "upsample_nearest1d": "reached through F.interpolate",
-    "upsample_nearest2d": "reached through F.interpolate",
-    "upsample_nearest3d": "reached through F.interpolate",
-    "_upsample_nearest_exact1d": "reached through F.interpolate",
-    "_upsample_nearest_exact2d": "reached through F.interpolate",
-    "_upsample_nearest_exact3d": "reached through F.interpolate",
-    "upsample_linear1d": "reached through F.interpolate",
-    "upsample_bilinear2d": "reached through F.interpolate",
-    "_upsample_bilinear2d_aa": "reached through F.interpolate",
-    "upsample_trilinear3d": "reached through F.interpolate",
-    "upsample_bicubic2d": "reached through F.interpolate",
-    "_upsample_bicubic2d_aa": "reached through F.interpolate",
+    "cross_entropy_loss": "a torch._C._nn binding of F.cross_entropy (C_BINDINGS)",
+    "nll_loss2d": "a torch._C._nn binding of F.nll_loss (C_BINDINGS)",
+    "upsample_nearest1d": _BINDING_OF_INTERPOLATE,
+    "upsample_nearest2d": _BINDING_OF_INTERPOLATE,
+    "upsample_nearest3d": _BINDING_OF_INTERPOLATE,
+    "_upsample_nearest_exact1d": _BINDING_OF_INTERPOLATE,
+    "_upsample_nearest_exact2d": _BINDING_OF_INTERPOLATE,
+    "_upsample_nearest_exact3d": _BINDING_OF_INTERPOLATE,
+    "upsample_linear1d": _BINDING_OF_INTERPOLATE,
+    "upsample_bilinear2d": _BINDING_OF_INTERPOLATE,
+    "_upsample_bilinear2d_aa": _BINDING_OF_INTERPOLATE,
+    "upsample_trilinear3d": _BINDING_OF_INTERPOLATE,
+    "upsample_bicubic2d": _BINDING_OF_INTERPOLATE,
+    "_upsample_bicubic2d_aa": _BINDING_OF_INTERPOLATE,
     "reflection_pad1d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
     "reflection_pad2d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
     "replication_pad1d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
@@ -122,6 +124,17 @@ def delegates():
         (table.MODULE, name): target
         for table in TABLES
         for name, target in getattr(table, "DELEGATES", {}).items()
+    }
+
+
+def bindings():
+    """{(namespace, name) of a C binding: (namespace, name) of the function whose policy it
+    takes}, from the tables' C_BINDINGS (a table without bindings need not define them)."""
+    return {
+        (table.C_MODULE, binding): (table.MODULE, name)
+        for table in TABLES
+        for name, names in getattr(table, "C_BINDINGS", {}).items()
+        for binding in names
     }
 
 

@@ -93,6 +93,50 @@ DELEGATES = {
     "ctc_loss": ("torch", "ctc_loss"),
 }
 
+# The C bindings in torch._C._nn behind these functions, which libraries (and torch's own
+# autocast tests) call directly. Each is patched with its function's policy (from the lists above
+# or a registration), under its own name; a name the installed torch lacks is skipped.
+C_MODULE = "torch._C._nn"
+C_BINDINGS = {
+    "linear": ("linear",),
+    "scaled_dot_product_attention": ("scaled_dot_product_attention",),
+    "interpolate": (
+        "upsample_nearest1d",
+        "upsample_nearest2d",
+        "upsample_nearest3d",
+        "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d",
+        "_upsample_nearest_exact3d",
+        "upsample_linear1d",
+        "upsample_bilinear2d",
+        "_upsample_bilinear2d_aa",
+        "upsample_trilinear3d",
+        "upsample_bicubic2d",
+        "_upsample_bicubic2d_aa",
+        "_upsample_lanczos2d_aa",
+    ),
+    "softplus": ("softplus",),
+    "gelu": ("gelu",),
+    "cross_entropy": ("cross_entropy_loss",),
+    "l1_loss": ("l1_loss",),
+    "mse_loss": ("mse_loss",),
+    "multilabel_margin_loss": ("multilabel_margin_loss",),
+    "multi_margin_loss": ("multi_margin_loss",),
+    "nll_loss": ("nll_loss", "nll_loss2d", "nll_loss_nd"),
+    "smooth_l1_loss": ("smooth_l1_loss",),
+    "huber_loss": ("huber_loss",),
+    "soft_margin_loss": ("soft_margin_loss",),
+    "avg_pool3d": ("avg_pool3d",),
+    "max_pool3d": ("max_pool3d_with_indices",),
+    "max_unpool2d": ("max_unpool2d",),
+    "max_unpool3d": ("max_unpool3d",),
+    "adaptive_avg_pool3d": ("adaptive_avg_pool3d",),
+    "adaptive_max_pool3d": ("adaptive_max_pool3d",),
+    "fractional_max_pool2d": ("fractional_max_pool2d",),
+    "fractional_max_pool3d": ("fractional_max_pool3d",),
+    "binary_cross_entropy": ("binary_cross_entropy",),
+}
+
 BANNED_FUNCS = (
     (
         "binary_cross_entropy",

@@ -130,6 +130,16 @@ class LossScaler:
             )
         self.load_state_dict({"loss_scale": value, "unskipped": self.unskipped()})
 
+    def set_unskipped(self, value, what="the count of clean steps"):
+        """Make `value` the count apex's `_unskipped` reports: the growth counter of a dynamic
+        scaler, the passes of a static one (validated; on error nothing changes)."""
+        value = check_count(value, what, self)
+        if self.dynamic:
+            self.load_state_dict({"loss_scale": self.loss_scale(), "unskipped": value})
+        else:
+            self.load_state_dict({"loss_scale": self.loss_scale(), "unskipped": 0})
+            self.static_passes = value
+
     def check_can_change(self, what):
         """Raise if gradients scaled by this scaler wait to be unscaled: they would be unscaled
         with the new scale. Changes nothing."""
@@ -188,11 +198,15 @@ def check_loss_scale(value, what):
     """`value` as a float if it is a loss scale a float32 holds as a normal number (the range
     every scale amp keeps lies in); else a ValueError naming `what`. Changes nothing."""
     value = _number(value, what)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (math.isfinite(value) and value > 0)
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
+    if isinstance(value, int) and abs(value) > _FLOAT32_MAX:  # float(10**400) would overflow
+        raise ValueError(
+            f"{what} must be a finite positive number that float32 holds: got an int of "
+            f"{value.bit_length()} bits{', negative' if value < 0 else ''}, beyond float32's "
+            f"largest value {_FLOAT32_MAX!r}."
+        )
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
     if not SCALE_FLOOR <= value <= _FLOAT32_MAX:
         raise ValueError(
@@ -200,6 +214,28 @@ def check_loss_scale(value, what):
             f"a float32 loss scale (from {SCALE_FLOOR!r} to {_FLOAT32_MAX!r})."
         )
     return float(value)
+
+
+def check_count(value, what, scaler=None):
+    """`value` as an int if it is a count of clean steps `scaler` can hold, else a ValueError
+    naming `what`; changes nothing. A dynamic scaler's count stays below its growth interval (it
+    restarts there; one above would never grow the scale and would run past int32); any count
+    fits int32."""
+    count = _number(value, what)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{what} must be a non-negative int; got {value!r}.")
+    if count > _INT32_MAX:
+        raise ValueError(
+            f"{what} = {count} does not fit the int32 count of clean steps (at most "
+            f"{_INT32_MAX}); a count that large cannot come from training."
+        )
+    if scaler is not None and scaler.dynamic and count >= scaler.growth_interval:
+        raise ValueError(
+            f"{what} = {count}: a dynamic loss scaler counts clean steps up to its growth "
+            f"interval ({scaler.growth_interval}), where it doubles the scale and restarts from "
+            f"0; expected 0 to {scaler.growth_interval - 1}."
+        )
+    return count
 
 
 def check_state(key, state, scaler=None):
@@ -219,31 +255,39 @@ def check_state(key, state, scaler=None):
     if missing:
         raise ValueError(f"amp.load_state_dict: entry {key!r} lacks {sorted(missing)}.")
     scale = check_loss_scale(state["loss_scale"], f"amp.load_state_dict: {key!r}['loss_scale']")
-    unskipped = _number(state["unskipped"], f"amp.load_state_dict: {key!r}['unskipped']")
-    if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['unskipped'] must be a non-negative int; "
-            f"got {state['unskipped']!r}."
-        )
-    if unskipped > _INT32_MAX:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['unskipped'] = {unskipped} does not fit the int32 "
-            f"step count (at most {_INT32_MAX}); the checkpoint is damaged."
-        )
+    unskipped = check_count(state["unskipped"], f"amp.load_state_dict: {key!r}['unskipped']")
     dynamic = state.get("dynamic")
     if dynamic is not None and not isinstance(dynamic, bool):
         raise ValueError(
             f"amp.load_state_dict: {key!r}['dynamic'] must be True or False; got {dynamic!r}."
         )
-    if scaler is not None and dynamic is not None and dynamic != scaler.dynamic:
-        kind, here = ("dynamic", "static") if dynamic else ("static", "dynamic")
+    if scaler is not None and dynamic and not scaler.dynamic:
         raise ValueError(
-            f"amp.load_state_dict: {key!r} comes from a {kind} loss scaler, but this run's is "
-            f"{here}: its scale would be taken for this run's, unchecked. Initialize with the "
-            f"checkpoint's kind (loss_scale='dynamic', or loss_scale=<the static value>), or "
-            "leave the amp state out of the load."
+            f"amp.load_state_dict: {key!r} comes from a dynamic loss scaler, but this run's is "
+            "static: its scale would be taken for this run's, unchecked. Initialize with "
+            "loss_scale='dynamic' to continue from it, or leave the amp state out of the load."
         )
     scale = torch.tensor(scale, dtype=torch.float32).item()  # what the scaler will hold
+    # A static run resumed with loss_scale="dynamic" (as apex did): the dynamic scale starts at
+    # the checkpoint's, within this scaler's bounds, and counts clean steps from zero. apex's
+    # dicts carry no kind; a count past the growth interval shows a static one (it counted every
+    # pass), while a dynamic scaler restarts its count there.
+    from_static = (
+        scaler is not None
+        and scaler.dynamic
+        and (dynamic is False or (dynamic is None and unskipped >= scaler.growth_interval))
+    )
+    if from_static:
+        low, high = scaler.min_loss_scale, scaler.max_loss_scale
+        if not ((low is None or low <= scale) and (high is None or scale <= high)):
+            raise ValueError(
+                f"amp.load_state_dict: {key!r} holds the static loss scale {scale}, outside "
+                f"min_loss_scale={low} and max_loss_scale={high} of this dynamic scaler. Pass "
+                "bounds that include it to amp.initialize, or leave the amp state out of the load."
+            )
+        unskipped = 0
+    elif scaler is not None:
+        check_count(unskipped, f"amp.load_state_dict: {key!r}['unskipped']", scaler)
     if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:
         raise ValueError(
             f"amp.load_state_dict: {key!r} has loss scale {scale}, but this run uses the static "
@@ -252,4 +296,4 @@ def check_state(key, state, scaler=None):
             f"amp.initialize(..., loss_scale='dynamic') or loss_scale={scale}; or leave the amp "
             "state out of the load."
         )
-    return {"loss_scale": scale, "unskipped": int(unskipped)}
+    return {"loss_scale": scale, "unskipped": int(unskipped), "from_static": from_static}

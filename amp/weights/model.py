@@ -5,6 +5,8 @@ by DataParallel and copies made by `copy.deepcopy` cast too (apex's patched `for
 the original module, NVIDIA/apex#227, #269, #503).
 """
 
+import functools
+
 import torch
 
 from .._state import amp_state
@@ -47,6 +49,20 @@ def check_model(model, index):
                 )
 
 
+def check_hookable(model, index, opt_level):
+    """Refuse a model holding TorchScript modules where amp casts it or hooks its forward (O0, O2,
+    O3, or `cast_model_outputs`): they take no hooks and hide their tensors. Modifies nothing."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            where = f"models[{index}]" + (f" (its submodule {name!r})" if name else "")
+            raise RuntimeError(
+                f"amp.initialize: {where} is a TorchScript module ({type(module).__name__}); "
+                f"opt_level={opt_level!r} casts the model's weights and hooks its forward, which "
+                "TorchScript modules do not allow. Pass the Python module to amp.initialize and "
+                "use torch.compile rather than torch.jit.script (or script after training)."
+            )
+
+
 def parameters_to_cast(model, keep_batchnorm_fp32):
     """The FP32 parameters that casting `model` to low precision will change."""
     found = {}
@@ -75,21 +91,31 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     params = parameters_to_cast(model, keep_batchnorm_fp32)
     model_shadows = ModelShadows()
     by_module = {module: {} for module in model.modules()}
-    fp32_of = dict(amp_state.masters)  # id(parameter) -> its FP32 copy; tied weights share one
+    fp32_of = dict(amp_state.masters)  # id(parameter) -> its FP32 copy
+    # One Shadow per parameter: a weight tied within the model, or shared with a model cast
+    # before this one (already low precision then), is served by the same shadow everywhere.
+    shadow_of = dict(amp_state.shadows) if keep_fp32_params else {}
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, param in module._parameters.items():
-            if param is not None and param.dtype is torch.float32 and keep_fp32_params:
+            if param is None or not keep_fp32_params:
+                continue
+            shadow = shadow_of.get(id(param))
+            if shadow is None and param.dtype is torch.float32:
                 fp32 = fp32_of.get(id(param))
                 if fp32 is None:
-                    fp32 = fp32_of[id(param)] = new_master(param)
-                by_module[module][name] = Shadow(module, name, True, fp32)
+                    fp32 = new_master(param)
+                shadow = shadow_of[id(param)] = Shadow(module, name, True, fp32)
+            if shadow is not None:
+                by_module[module][name] = shadow
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
                 by_module[module][name] = Shadow(module, name, False, buffer)
-    for by_name in by_module.values():
-        model_shadows.shadows.extend(by_name.values())
+    unique = {id(shadow): shadow for by_name in by_module.values() for shadow in by_name.values()}
+    model_shadows.shadows.extend(unique.values())
+    follow = FollowMoves(model, model_shadows, by_module)
 
     def undo():
+        follow.everywhere()  # a parameter moved since (parametrize) gets its FP32 value too
         model_shadows.sync()
         fp32_of = {id(s.current()): s.fp32 for s in model_shadows.shadows if s.is_param}
         with torch.no_grad():
@@ -122,7 +148,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
         if shadow.is_param:
             amp_state.shadows[id(shadow.current())] = shadow
     _flatten_rnns(model)
-    _register_state_dict_hooks(model, model_shadows, by_module, ledger)
+    _register_state_dict_hooks(model, follow, ledger)
 
 
 def _flatten_rnns(model):
@@ -163,24 +189,106 @@ def cast_forward(model, input_dtype, output_dtype, ledger):
     ledger.add_hook(handle, "output cast hook")
 
 
-def _register_state_dict_hooks(model, model_shadows, by_module, ledger):
+def _register_state_dict_hooks(model, follow, ledger):
     """Make `state_dict()` FP32 (and live) at every level and `load_state_dict` fill the shadows."""
-    hook = SyncBeforeForward(model_shadows, by_module)
+    hook = SyncBeforeForward(follow.model_shadows, follow.by_module)
     ledger.add_hook(model.register_forward_pre_hook(hook, prepend=True), "shadow sync hook")
     for module in model.modules():
-        by_name = by_module[module]
-        hook = FP32StateDict(model_shadows, by_name)
-        if hasattr(module, "register_state_dict_post_hook"):
-            handle = module.register_state_dict_post_hook(hook)
-        else:  # torch < 2.5
-            handle = module._register_state_dict_hook(hook)
-        ledger.add_hook(handle, "FP32 state dict hook")
-        if hasattr(module, "register_load_state_dict_pre_hook"):
-            handle = module.register_load_state_dict_pre_hook(LoadIntoShadows(by_name))
-        else:  # torch < 2.5
-            handle = module._register_load_state_dict_pre_hook(
-                LoadIntoShadows(by_name), with_module=True
-            )
-        ledger.add_hook(handle, "shadow load hook")
-        handle = module.register_load_state_dict_post_hook(MarkLoaded(by_name))
-        ledger.add_hook(handle, "shadow version hook")
+        for handle in _hook_module(module, follow):
+            ledger.add_hook(handle, "FP32 state dict hook")
+
+
+def _hook_module(module, follow):
+    """Register the state-dict hooks of one module; return their handles."""
+    by_name = follow.by_module[module]
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        load_pre_hook = module.register_load_state_dict_pre_hook
+    else:  # torch < 2.5
+        load_pre_hook = functools.partial(
+            module._register_load_state_dict_pre_hook, with_module=True
+        )
+    if hasattr(module, "register_state_dict_post_hook"):
+        post_hook = module.register_state_dict_post_hook
+    else:  # torch < 2.5
+        post_hook = module._register_state_dict_hook
+    return [
+        module.register_state_dict_pre_hook(follow),  # first: moves are followed
+        post_hook(FP32StateDict(follow.model_shadows, by_name)),
+        load_pre_hook(follow),
+        load_pre_hook(LoadIntoShadows(by_name)),
+        module.register_load_state_dict_post_hook(MarkLoaded(by_name)),
+    ]
+
+
+class FollowMoves:
+    """State-dict and load pre-hook: shadows follow parameters that moved after initialize.
+
+    `torch.nn.utils.parametrize` moves a parameter to `<module>.parametrizations.<name>.original`
+    (and `remove_parametrizations` back), `torch.nn.utils.prune` to `<module>.<name>_orig`; the
+    parameter object stays the same. Before a module's state dict is saved or loaded, a shadowed
+    parameter that left one of its names is looked up in the model, and one that arrived under a
+    name is recognised, and its shadow re-anchored there (a module made after initialize gets
+    amp's state-dict hooks): the state dict holds the FP32 master under the new key and a load
+    writes the master. A parameter found nowhere (deleted, or replaced by an assignment) keeps
+    its shadow where it was. A module whose parameters sit where they were costs a few lookups.
+    """
+
+    def __init__(self, model, model_shadows, by_module):
+        self.model = model
+        self.model_shadows = model_shadows
+        self.by_module = by_module  # module -> {name: Shadow}, shared with the other hooks
+        # id(parameter) -> its shadow (O2; O3 keeps none, and has nothing to follow)
+        self.shadow_of = {id(s.current()): s for s in model_shadows.shadows if s.is_param}
+
+    def __call__(self, module, *args):
+        by_name = self.by_module.get(module)
+        if not self.shadow_of or by_name is None:
+            return
+        parameters = module._parameters
+        for name, shadow in list(by_name.items()):
+            if shadow.is_param and parameters.get(name) is None:
+                self._moved_away(by_name, name, shadow)
+        for name, param in parameters.items():
+            if param is not None and name not in by_name:
+                shadow = self.shadow_of.get(id(param))
+                if shadow is not None and shadow.low is param:
+                    by_name[name] = shadow  # arrived here (moved back, or from elsewhere)
+                    self._relocate(shadow, module, name)
+
+    def _moved_away(self, by_name, name, shadow):
+        for new_module in self.model.modules():
+            for new_name, param in new_module._parameters.items():
+                served = self.by_module.get(new_module, {}).get(new_name) is shadow
+                if param is shadow.low and not served:
+                    del by_name[name]
+                    if new_module not in self.by_module:
+                        self.by_module[new_module] = {}
+                        handles = _hook_module(new_module, self)
+                        if any(model is self.model for model in amp_state.models):
+                            for handle in handles:
+                                amp_state.ledger.add_hook(handle, "FP32 state dict hook")
+                    self.by_module[new_module][new_name] = shadow
+                    self._relocate(shadow, new_module, new_name)
+                    return
+
+    @staticmethod
+    def _relocate(shadow, module, name):
+        """Make the shadow read its parameter at `module.name` if its own place lost it."""
+        if shadow.module._parameters.get(shadow.name) is not shadow.low:
+            shadow.module, shadow.name = module, name
+
+    def everywhere(self):
+        """Every shadow reads its parameter where it is now (at undo: no hooks are added)."""
+        for module in self.model.modules():
+            for name, param in module._parameters.items():
+                shadow = self.shadow_of.get(id(param))
+                if shadow is not None and shadow.low is param:
+                    self._relocate(shadow, module, name)
+
+
+def follow_parameter(param, module, name):
+    """The parameter watch found `param` at `module.name` (a move, checked at each step): its
+    shadow reads it there, so that outside writes to it reach its master."""
+    shadow = amp_state.shadows.get(id(param))
+    if shadow is not None and shadow.module._parameters.get(shadow.name) is not param:
+        shadow.module, shadow.name = module, name

@@ -4,6 +4,7 @@ import torch
 
 from .. import kernels
 from .._state import amp_state
+from .snapshot import OptimizerSnapshot
 
 MASTER_PARAMS_KEY = "amp_master_params"
 
@@ -29,11 +30,17 @@ def load_state_dict(record, state_dict):
     if has_masters:
         plan = check_masters(record, state_dict[MASTER_PARAMS_KEY])
         state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
+    before = OptimizerSnapshot(record.optimizer)
     record.originals["load_state_dict"](state_dict)
     if plan:
+        try:
+            with torch.no_grad():
+                for value, _, master in plan:
+                    master.copy_(value)
+        except BaseException:  # what check_masters could not foresee: the old state stays
+            before.restore()
+            raise
         with torch.no_grad():
-            for value, _, master in plan:
-                master.copy_(value)
             kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
         record.remember_versions()
     record.forget_param_groups()
@@ -66,6 +73,13 @@ def check_masters(record, masters):
             )
         if not value.is_floating_point():
             raise ValueError(f"optimizer.load_state_dict: master weight {index} is not floating.")
+        if value.layout is not torch.strided or value.is_meta:
+            # Caught here, before torch's load replaces the state: copy_ would fail after it.
+            kind = "a meta tensor (no data)" if value.is_meta else f"a {value.layout} tensor"
+            raise ValueError(
+                f"optimizer.load_state_dict: master weight {index} is {kind}; the FP32 master "
+                "weights load from dense tensors with data (as optimizer.state_dict() saves them)."
+            )
         plan.append((value, model_param, master))
     missing = sorted(set(here) - set(masters))
     if missing:
