@@ -87,6 +87,8 @@ class AmpState:
         # thread's state (a threading.local read costs about 150 ns; this flag, one attribute).
         self.active = False
         self.traces = 0  # amp.trace() blocks open in any thread
+        # scaling.origin.OriginWatch, set at its import; it outlives initialize (GradScaler uses it)
+        self.origin_watch = None
         self.reset()
 
     def refresh_active(self):
@@ -106,6 +108,10 @@ class AmpState:
         self.loss_scalers = []
         self.ledger = None  # casting.patching.PatchLedger of the current initialize
         self.last_overflow = None
+        # A run of steps skipped for a non-finite loss: None, "pending" (to warn) or "warned"
+        self.nonfinite_loss_run = None
+        if self.origin_watch is not None:
+            self.origin_watch.disarm()  # no hook outlives the initialize that armed it
         self.parameter_watch = None  # compat.distributed.ParameterWatch of the optimizers' parameters
 
 

@@ -25,6 +25,7 @@ API = {  # ../shared/API.md
     "GradScaler",
     "trace",
     "last_overflow",
+    "NonFiniteLossWarning",
 }
 
 

@@ -17,7 +17,9 @@ from collections import abc, defaultdict
 import torch
 
 from .. import kernels
+from .._state import amp_state, logger
 from ..compat import distributed
+from .overflow import OverflowReport
 
 
 class ScalerValueError(ValueError, AssertionError):
@@ -118,6 +120,7 @@ class GradScaler:
         self._init_growth_tracker = 0
         self._growth_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._origin = None  # where the inf/NaN of the watched iteration started
 
     # -- scale and tracker ---------------------------------------------------------------------
 
@@ -138,6 +141,8 @@ class GradScaler:
         """Multiply a tensor, or an iterable of tensors (nested), by the scale factor."""
         if not self._enabled:
             return outputs
+        if amp_state.origin_watch.armed:  # the iteration after a skipped step is watched
+            amp_state.origin_watch.note_loss(outputs)
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
@@ -256,9 +261,14 @@ class GradScaler:
                     "amp.GradScaler with amp.autocast and no amp.initialize."
                 )
             raise ScalerStateError("No inf checks were recorded for this optimizer.")
+        watch = amp_state.origin_watch
+        if watch.armed and watch.fired:  # this was the watched iteration
+            self._origin = watch.settle((self,))
         result = None
         if not sum(flag.item() for flag in state["found_inf_per_device"].values()):
             result = optimizer.step(*args, **kwargs)
+        else:
+            state["skipped"] = _nonfinite_names(optimizer)
         state["stage"] = OptState.STEPPED
         return result
 
@@ -337,7 +347,30 @@ class GradScaler:
                 self._backoff_factor,
                 self._growth_interval,
             )
+            self._report_skip()
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _report_skip(self):
+        """After a skipped step (the host knows it: step() read the flags): amp.last_overflow(),
+        the log message, and a watch over the next iteration for where the inf/NaN started."""
+        skipped = [
+            state["skipped"]
+            for state in self._per_optimizer_states.values()
+            if state.get("skipped") is not None
+        ]
+        origin, self._origin = self._origin, None
+        if not skipped:
+            return
+        params = tuple(name for names in skipped for name in names)
+        report = OverflowReport(None, params, self._scale.item(), origin=origin)
+        amp_state.last_overflow = report
+        message = (
+            f"Gradient overflow.  Skipping step, GradScaler reducing scale to {report.loss_scale}"
+        )
+        if origin is not None:
+            message += f"; it started in {origin}"
+        logger.info(message)
+        amp_state.origin_watch.arm()
 
     # -- getters, setters, state -----------------------------------------------------------------
 
@@ -434,3 +467,15 @@ class GradScaler:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+
+
+def _nonfinite_names(optimizer):
+    """The parameters of `optimizer` with non-finite gradients, by position (GradScaler knows no
+    names): "param_groups[0]['params'][3]"."""
+    names = {}
+    params = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            names[id(param)] = f"param_groups[{group_index}]['params'][{param_index}]"
+            params.append(param)
+    return distributed.nonfinite_names(params, lambda param: names[id(param)])
