@@ -104,6 +104,7 @@ class AmpState:
         self.optimizers = []  # weights.optimizer.OptimizerRecord per optimizer, in initialize's order
         self.masters = {}  # id(model parameter) -> its FP32 master (O2)
         self.shadows = {}  # id(cast model parameter) -> its weights.shadows.Shadow (O2)
+        self.fp32_modules = set()  # the modules fp32_modules= keeps in FP32 (casting.fp32_modules)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
         self.ledger = None  # casting.patching.PatchLedger of the current initialize

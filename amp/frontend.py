@@ -9,6 +9,7 @@ import torch
 
 from . import properties as properties_module
 from ._state import ThreadState, amp_state, logger
+from .casting import fp32_modules as fp32_modules_module
 from .casting import native_autocast
 from .casting.casts import policy_for
 from .casting.patching import PatchLedger
@@ -129,6 +130,7 @@ def initialize(
     min_loss_scale=None,
     max_loss_scale=2.0**24,
     dtype=None,
+    fp32_modules=None,
 ):
     """Set models and optimizers up for mixed precision training at `opt_level`.
 
@@ -153,6 +155,9 @@ def initialize(
         min_loss_scale, max_loss_scale (float): bounds of the dynamic loss scale.
         dtype (torch.dtype, default=None): the low-precision type, torch.float16 (None) or
             torch.bfloat16.
+        fp32_modules (list, optional): module classes or fnmatch patterns of qualified names
+            (``"blocks.*.attn"``) to run in FP32: no casting inside them at O1; FP32 parameters,
+            FP32 inputs and outputs cast back at O2/O3. A pattern matching nothing is an error.
 
     Returns:
         The models and optimizers in the shapes they were passed (apex's rules).
@@ -210,6 +215,7 @@ def initialize(
             "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
         )
     _check_models_and_optimizers(model_list, optimizer_list)
+    kept_fp32 = fp32_modules_module.resolve(fp32_modules, model_list)
     distributed.check_engines(model_list, optimizer_list, properties)
 
     ledger = PatchLedger()
@@ -217,7 +223,9 @@ def initialize(
         _set_verbosity(verbosity, ledger)
         amp_state.verbosity = verbosity
         _log_properties(base, properties)
+        amp_state.fp32_modules = kept_fp32
         _apply(properties, model_list, optimizer_list, cast_model_outputs, ledger)
+        fp32_modules_module.install(model_list, properties.cast_model_type or None, ledger)
         amp_state.loss_scalers = [
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)

@@ -8,6 +8,7 @@ the original module, NVIDIA/apex#227, #269, #503).
 import torch
 
 from .._state import amp_state
+from ..casting import fp32_modules
 from ..casting.casts import LOW_PRECISION, cast_tree
 from .masters import new_master
 from .shadows import (
@@ -59,6 +60,8 @@ def parameters_to_cast(model, keep_batchnorm_fp32):
 
 def _modules_to_cast(model, keep_batchnorm_fp32):
     for module in model.modules():
+        if fp32_modules.keeps(module):  # amp.initialize(..., fp32_modules=[...])
+            continue
         if not (keep_batchnorm_fp32 and isinstance(module, _BATCH_NORM)):
             yield module
 
