@@ -26,6 +26,7 @@ API = {  # ../shared/API.md
     "trace",
     "last_overflow",
     "NonFiniteLossWarning",
+    "audit",
 }
 
 
