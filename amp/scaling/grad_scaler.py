@@ -120,7 +120,6 @@ class GradScaler:
         self._init_growth_tracker = 0
         self._growth_tracker = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._origin = None  # where the inf/NaN of the watched iteration started
 
     # -- scale and tracker ---------------------------------------------------------------------
 
@@ -261,9 +260,6 @@ class GradScaler:
                     "amp.GradScaler with amp.autocast and no amp.initialize."
                 )
             raise ScalerStateError("No inf checks were recorded for this optimizer.")
-        watch = amp_state.origin_watch
-        if watch.armed and watch.fired:  # this was the watched iteration
-            self._origin = watch.settle((self,))
         result = None
         if not sum(flag.item() for flag in state["found_inf_per_device"].values()):
             result = optimizer.step(*args, **kwargs)
@@ -358,7 +354,7 @@ class GradScaler:
             for state in self._per_optimizer_states.values()
             if state.get("skipped") is not None
         ]
-        origin, self._origin = self._origin, None
+        origin = amp_state.origin_watch.settle(self) if amp_state.origin_watch.armed else None
         if not skipped:
             return
         params = tuple(name for names in skipped for name in names)
@@ -370,7 +366,7 @@ class GradScaler:
         if origin is not None:
             message += f"; it started in {origin}"
         logger.info(message)
-        amp_state.origin_watch.arm()
+        amp_state.origin_watch.arm(self)
 
     # -- getters, setters, state -----------------------------------------------------------------
 

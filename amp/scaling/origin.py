@@ -30,6 +30,9 @@ from torch.nn.modules import module as nn_module
 
 from .._state import amp_state
 
+_KEEP = 64  # (flag, origin) pairs kept for the skip reports that read them
+
+
 @dataclasses.dataclass(frozen=True)
 class Origin:
     """Where the first inf or NaN of a step appeared."""
@@ -100,15 +103,26 @@ class OriginWatch:
         self._hooked_params = set()
         self._sites = {}  # id(tensor) -> (weak reference, _Site), for the hooked tensors
         self._local = threading.local()  # the stack of modules being called, per thread
-        self.found = None  # the last Origin resolved
-        self.found_for = ()  # the objects (overflow flags) it belongs to
+        self._waiting = set()  # the owners whose next step this watch is for
+        self._stepped = set()  # the owners that stepped since the watched step began
+        self._next = []  # owners that skipped during the watched step: they arm the next one
+        self._found = []  # (overflow flag, Origin or None) of the last watched steps
 
     # -- arming and disarming -------------------------------------------------------------
 
-    def arm(self):
-        """Watch the next step. Idempotent."""
-        if self.armed:
+    def arm(self, owner):
+        """Watch the next step of `owner` (an optimizer's record, or a GradScaler) that skipped.
+
+        A skip during a watched step arms the step after it, once this watch has ended.
+        """
+        if self.armed and self.fired:
+            self._next.append(owner)
             return
+        if not self.armed:
+            self._install()
+        self._waiting.add(owner)
+
+    def _install(self):
         self.armed = True
         self.fired = False
         self._names = {}
@@ -119,7 +133,7 @@ class OriginWatch:
         self._handles.append(nn_module.register_module_forward_hook(self._after, always_call=True))
 
     def disarm(self):
-        """Remove every hook this watch added and forget what it saw."""
+        """Remove every hook this watch added and forget what it saw (and who waits for it)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -128,30 +142,48 @@ class OriginWatch:
         self._hooked_params = set()
         self._sites = {}
         self._local = threading.local()
+        self._waiting = set()
+        self._stepped = set()
+        self._next = []
         self.armed = False
         self.fired = False
 
-    def settle(self, belongs_to=()):
-        """If the watched step ran: disarm, and return (and keep) where its first inf/NaN was.
+    def settle(self, owner, flags=()):
+        """At a step of `owner`: where the first inf/NaN of the watched step was, or None.
 
-        `belongs_to`: the overflow flags of that step, so that its skip reports take the
-        origin and later ones do not. Returns None, and changes nothing, before that.
+        Owners that armed the watch read what it saw so far (their forward and backward have
+        run), and it ends (every hook goes) once all of them have stepped, or once some other
+        owner steps a second time (a whole iteration has passed). `flags`: the owner's overflow
+        flags of this step, whose skip reports take the origin. Before the watched step ran, or
+        for an owner that did not arm it, returns None and reads nothing.
         """
         if not (self.armed and self.fired):
             return None
-        events = self._events
-        self.disarm()
-        self.found = _first_nonfinite(events)
-        self.found_for = tuple(belongs_to)
-        return self.found
+        found = None
+        if owner in self._waiting:
+            self._waiting.discard(owner)
+            found = _first_nonfinite(self._events)
+            self._found = (self._found + [(flag, found) for flag in flags])[-_KEEP:]
+        elif owner in self._stepped:
+            self._waiting = set()
+        self._stepped.add(owner)
+        if not self._waiting:
+            following = self._next
+            self.disarm()
+            for waiting in following:
+                self.arm(waiting)
+        return found
 
     def watched(self, flag):
         """Whether the step whose overflow flag is `flag` was a watched one."""
-        return any(candidate is flag for candidate in self.found_for)
+        return any(candidate is flag for candidate, _ in self._found)
 
     def origin_for(self, flag):
-        """The origin resolved for the step whose overflow flag is `flag`, or None."""
-        return self.found if self.watched(flag) else None
+        """The origin found for the step whose overflow flag is `flag`, or None."""
+        for candidate, origin in self._found:
+            if candidate is flag:
+                return origin
+        return None
 
     # -- what the hooks record ------------------------------------------------------------
 

@@ -28,8 +28,7 @@ class SkipDecision:
         """
         watch = amp_state.origin_watch
         if watch.armed:
-            flags = [entry[1] for record in amp_state.optimizers for entry in record.skips.pending]
-            watch.settle(flags)
+            watch.settle(self.record, [entry[1] for entry in self.pending])
         pending, self.pending = self.pending, []
         overflowed = [entry for entry in pending if entry[1].is_set()]
         if pending and not overflowed:
@@ -92,4 +91,4 @@ class SkipDecision:
                 logger.info(message)
         if fresh and not bad_loss:
             nonfinite_loss.after_clean_step()
-        watch.arm()
+        watch.arm(record)
