@@ -79,6 +79,7 @@ class _Module:
         self.max_abs = 0.0
         self.nonzero = self.flushed = 0
         self.calls = 0
+        self.order = None  # when its first call returned in the FP32 run
         self.error_sq = self.reference_sq = 0.0
         self.low_nonfinite = False
         self.grad_nonzero = self.grad_flushed = 0
@@ -95,7 +96,9 @@ class _Module:
         if with_grads:
             grad = self.grad_flushed / self.grad_nonzero if self.grad_nonzero else 0.0
         underflow = self.flushed / self.nonzero if self.nonzero else 0.0
-        return AuditRow(self.name, self.op, self.calls, headroom, error, underflow, grad)
+        return AuditRow(
+            self.name, self.op, self.calls, headroom, error, underflow, grad, self.order
+        )
 
 
 def _check(fn, model, dtype):
@@ -164,7 +167,8 @@ def audit(fn, model, dtype=torch.float16, loss_scale=None):
     snapshot = _Snapshot(model)
     handles = []
     try:
-        handles = [m.register_forward_hook(_recorder(names[m], dtype)) for m in names]
+        returned = []  # the modules in the order their first call returned
+        handles = [m.register_forward_hook(_recorder(names[m], dtype, returned)) for m in names]
         with disable_casts():
             loss_fp32 = fn()
         with_grads = _gradients(loss_fp32, names.values(), dtype, scale)
@@ -188,8 +192,11 @@ def _scalar(loss):
     return float(loss)
 
 
-def _recorder(record, dtype):
+def _recorder(record, dtype, returned):
     def hook(module, args, output):
+        if record.order is None:
+            record.order = len(returned)
+            returned.append(record)
         tensors = _floating(output, [])
         record.reference.append([t.detach().float().clone() for t in tensors])
         record.graph.extend(t for t in tensors if t.requires_grad)

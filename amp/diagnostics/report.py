@@ -23,6 +23,7 @@ class AuditRow:
     # fraction of the nonzero gradients of its output that the dtype flushes to zero once
     # multiplied by the loss scale; None when the loss has no gradient (a no_grad forward)
     grad_underflow: Optional[float]
+    order: int = dataclasses.field(default=0, repr=False)  # when it first returned, in the FP32 run
 
     @property
     def overflows(self):
@@ -30,7 +31,13 @@ class AuditRow:
 
     def _sort_key(self):
         error = self.relative_error if math.isfinite(self.relative_error) else math.inf
-        return (not self.overflows, self.headroom >= HEADROOM_MARGIN, -error, -self.underflow)
+        return (
+            not self.overflows,
+            self.headroom >= HEADROOM_MARGIN,
+            -error,
+            -self.underflow,
+            self.order,  # of modules alike, the first to return: the others follow from it
+        )
 
 
 def _number(value, digits=3):
