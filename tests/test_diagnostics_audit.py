@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import amp
+from amp.diagnostics.report import AuditReport, AuditRow
 
 
 class Net(torch.nn.Module):
@@ -163,3 +164,22 @@ def test_bad_arguments():
             amp.audit(loss_fn(model), model)
     finally:
         amp.deinitialize()
+
+
+def row(name, headroom=1e4, underflow=0.0, order=0):
+    return AuditRow(name, "Linear", 1, headroom, 0.0, underflow, None, order)
+
+
+def test_keep_fp32_names_a_parent_whose_parts_all_need_it_and_never_the_model():
+    rows = [
+        row("", headroom=0.5),
+        row("a", headroom=0.5),
+        row("a.x", headroom=0.5),
+        row("a.y", underflow=0.2),
+        row("b", headroom=0.5),
+        row("b.x", headroom=0.5),
+        row("b.y"),  # healthy: b is not kept whole, only b.x
+        row("c"),
+    ]
+    report = AuditReport(rows, torch.float16, 1.0, 0.0, 0.0)
+    assert sorted(report.keep_fp32()) == ["a", "b.x"]

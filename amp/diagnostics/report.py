@@ -95,18 +95,31 @@ class AuditReport:
     __repr__ = __str__
 
     def keep_fp32(self):
-        """The modules to keep in FP32: those whose output overflows the dtype or comes within
-        a factor HEADROOM_MARGIN of its max, or loses more than UNDERFLOW_LIMIT of its values
-        to zero; innermost first (a module whose submodule is listed is left out)."""
-        flagged = [
+        """The modules to keep in FP32, as `fp32_modules` takes them.
+
+        A module is flagged when its output overflows the dtype or comes within a factor
+        HEADROOM_MARGIN of its max, or loses more than UNDERFLOW_LIMIT of its values to zero.
+        A module whose submodules that ran are all flagged (with itself) is named instead of
+        them; a flagged module with healthy parts is left to its flagged parts; never the whole
+        model.
+        """
+        flagged = {
             row.module
             for row in self.rows
             if row.headroom < HEADROOM_MARGIN or row.underflow > UNDERFLOW_LIMIT
-        ]
+        }
+        names = [row.module for row in self.rows]
+
+        def whole(name):
+            kids = [n for n in names if n != name and n.rpartition(".")[0] == name]
+            return name in flagged and all(whole(kid) for kid in kids)
+
         return [
             name
-            for name in flagged
-            if not any(other != name and _inside(other, name) for other in flagged)
+            for name in names
+            if name
+            and whole(name)
+            and not any(whole(parent) for parent in _parents(name))
         ]
 
     def suggest(self):
@@ -148,6 +161,7 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _inside(name, parent):
-    """Whether module `name` lies in module `parent`'s subtree ("" is the model)."""
-    return parent == "" or name.startswith(parent + ".")
+def _parents(name):
+    """The qualified names of the modules above `name`, the model itself ("") left out."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
