@@ -74,7 +74,12 @@ def test_o1_runs_them_without_casting_on_fp32_inputs(spec):
 @pytest.mark.parametrize("spec", [["blocks.0"], [torch.nn.LayerNorm]])
 def test_o2_o3_keep_their_weights_fp32_with_inputs_and_outputs_cast(opt_level, spec):
     model, optimizer = make()
-    kept = ["blocks.0.lin.weight", "blocks.0.lin.bias", "blocks.0.norm.weight", "blocks.0.norm.bias"]
+    kept = [
+        "blocks.0.lin.weight",
+        "blocks.0.lin.bias",
+        "blocks.0.norm.weight",
+        "blocks.0.norm.bias",
+    ]
     if spec != ["blocks.0"]:
         kept = [name for name in kept if ".norm." in name] + [
             "blocks.1.norm.weight",

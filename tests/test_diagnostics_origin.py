@@ -231,8 +231,9 @@ def test_verbosity_one_names_the_origin_once_known(caplog):
     skips = [r.message for r in caplog.records if "Skipping step" in r.message]
     assert len(skips) == 2
     assert "body.lin" not in skips[0]
-    assert "it started in the output of module 'body.lin' in forward (Linear, float16, inf)" in (
-        skips[1]
+    assert (
+        "it started in the output of module 'body.lin' in forward (Linear, float16, inf)"
+        in skips[1]
     )
 
 

@@ -117,9 +117,7 @@ class AuditReport:
         return [
             name
             for name in names
-            if name
-            and whole(name)
-            and not any(whole(parent) for parent in _parents(name))
+            if name and whole(name) and not any(whole(parent) for parent in _parents(name))
         ]
 
     def suggest(self):

@@ -17,9 +17,9 @@ from collections import abc, defaultdict
 import torch
 
 from .. import kernels
-from .._state import amp_state, logger
+from .._state import amp_state
 from ..compat import distributed
-from .overflow import OverflowReport
+from . import skip
 
 
 class ScalerValueError(ValueError, AssertionError):
@@ -264,7 +264,7 @@ class GradScaler:
         if not sum(flag.item() for flag in state["found_inf_per_device"].values()):
             result = optimizer.step(*args, **kwargs)
         else:
-            state["skipped"] = _nonfinite_names(optimizer)
+            state["skipped"] = skip.nonfinite_names(optimizer)  # for amp.last_overflow()
         state["stage"] = OptState.STEPPED
         return result
 
@@ -343,30 +343,9 @@ class GradScaler:
                 self._backoff_factor,
                 self._growth_interval,
             )
-            self._report_skip()
+            skipped = [state.get("skipped") for state in self._per_optimizer_states.values()]
+            skip.grad_scaler_update(self, [names for names in skipped if names is not None])
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    def _report_skip(self):
-        """After a skipped step (the host knows it: step() read the flags): amp.last_overflow(),
-        the log message, and a watch over the next iteration for where the inf/NaN started."""
-        skipped = [
-            state["skipped"]
-            for state in self._per_optimizer_states.values()
-            if state.get("skipped") is not None
-        ]
-        origin = amp_state.origin_watch.settle(self) if amp_state.origin_watch.armed else None
-        if not skipped:
-            return
-        params = tuple(name for names in skipped for name in names)
-        report = OverflowReport(None, params, self._scale.item(), origin=origin)
-        amp_state.last_overflow = report
-        message = (
-            f"Gradient overflow.  Skipping step, GradScaler reducing scale to {report.loss_scale}"
-        )
-        if origin is not None:
-            message += f"; it started in {origin}"
-        logger.info(message)
-        amp_state.origin_watch.arm(self)
 
     # -- getters, setters, state -----------------------------------------------------------------
 
@@ -463,15 +442,3 @@ class GradScaler:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-
-
-def _nonfinite_names(optimizer):
-    """The parameters of `optimizer` with non-finite gradients, by position (GradScaler knows no
-    names): "param_groups[0]['params'][3]"."""
-    names = {}
-    params = []
-    for group_index, group in enumerate(optimizer.param_groups):
-        for param_index, param in enumerate(group["params"]):
-            names[id(param)] = f"param_groups[{group_index}]['params'][{param_index}]"
-            params.append(param)
-    return distributed.nonfinite_names(params, lambda param: names[id(param)])

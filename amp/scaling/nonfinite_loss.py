@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .._state import amp_state
-from . import origin  # noqa: F401  (sets amp_state.origin_watch)
+from . import origin as _origin  # noqa: F401  (sets amp_state.origin_watch)
 from ..compat import distributed
 
 
