@@ -30,17 +30,18 @@ def check(loss, needed):
         watch.note_loss(loss)
     if not needed:
         return None
-    with torch.no_grad():
-        return torch.isfinite(loss.detach()).all()
+    return torch.isfinite(loss.detach()).all()
 
 
 def agree(flag, loss_ok):
     """Make the overflow flag, and the loss flag if any, the same on every rank, in one
     collective: a rank whose loss was not finite makes every rank keep its scale. Returns the
     loss flag all ranks share (a no-op in one process)."""
-    if loss_ok is None or not distributed.is_distributed():
-        distributed.reduce_flag(flag.tensor)
+    if not distributed.is_distributed():
         return loss_ok
+    if loss_ok is None:
+        distributed.reduce_flag(flag.tensor)
+        return None
     both = torch.stack((flag.tensor, loss_ok.logical_not().to(flag.tensor.dtype)))
     distributed.reduce_flag(both)
     flag.tensor.copy_(both[0])
@@ -53,12 +54,13 @@ def update(scaler, flag, loss_ok):
     if loss_ok is None or not scaler.dynamic:
         scaler.update(flag)
         return
-    scaler._tensors(flag.tensor.device)
-    ok = loss_ok.to(scaler._unskipped.device, non_blocking=True)
+    if scaler._unskipped is None:
+        scaler._tensors(flag.tensor.device)
+    count = scaler._unskipped
     # The update counts a clean step (+1) when it sees no overflow; a bad loss is taken back
     # first (-1), so its count comes out unchanged and cannot reach a growth.
-    scaler._unskipped.add_(ok).sub_(1)
-    scaler.update(types.SimpleNamespace(tensor=flag.tensor * ok.to(flag.tensor.device)))
+    count.add_(loss_ok if loss_ok.device == count.device else loss_ok.to(count.device)).sub_(1)
+    scaler.update(types.SimpleNamespace(tensor=flag.tensor * loss_ok))
 
 
 def after_clean_step():

@@ -31,7 +31,7 @@ class SkipDecision:
             watch.settle(self.record, [entry[1] for entry in self.pending])
         pending, self.pending = self.pending, []
         overflowed = [entry for entry in pending if entry[1].is_set()]
-        if pending and not overflowed:
+        if pending and not overflowed and amp_state.nonfinite_loss_run is not None:
             nonfinite_loss.after_clean_step()
         return overflowed
 
