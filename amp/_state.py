@@ -33,6 +33,7 @@ class ThreadState(threading.local):
         self.policy = INHERIT  # this thread's own: a CastPolicy, None (nothing cast) or INHERIT
         self.trace = None  # the innermost active casting.trace.Trace, or None
         self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
+        self.fp32_scopes = []  # casting-off scopes of the fp32_modules running in this thread
 
     def current_policy(self):
         """The CastPolicy in force in this thread, or None."""

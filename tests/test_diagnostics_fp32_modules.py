@@ -1,5 +1,7 @@
 """amp.initialize(..., fp32_modules=[...]): by class or by name, at O1 and O2/O3."""
 
+import copy
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ class Net(torch.nn.Module):
 def make():
     torch.manual_seed(0)
     model = Net()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=1.0)
 
 
 def dtypes_seen(model):
@@ -47,7 +49,7 @@ def dtypes_seen(model):
     return seen
 
 
-X = torch.randn(16, 4)
+X = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("spec", [["blocks.1"], ["blocks.1.*", "blocks.1"], [Block]])
@@ -87,7 +89,7 @@ def test_o2_o3_keep_their_weights_fp32_with_inputs_and_outputs_cast(opt_level, s
         ]
     seen = dtypes_seen(model)
     model, optimizer = amp.initialize(
-        model, optimizer, opt_level=opt_level, verbosity=0, fp32_modules=spec
+        model, optimizer, opt_level=opt_level, verbosity=0, fp32_modules=spec, max_loss_scale=256
     )
     try:
         for name, param in model.named_parameters():
@@ -112,6 +114,19 @@ def test_o2_o3_keep_their_weights_fp32_with_inputs_and_outputs_cast(opt_level, s
     finally:
         amp.deinitialize()
     assert all(p.dtype is torch.float32 for p in model.parameters())
+
+
+def test_a_model_with_fp32_modules_copies_and_pickles(tmp_path):
+    model, optimizer = make()
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", verbosity=0, fp32_modules=["blocks.0"]
+    )
+    try:
+        twin = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        assert torch.equal(twin(X), model(X))
+    finally:
+        amp.deinitialize()
 
 
 def test_an_exception_inside_a_kept_module_restores_casting():

@@ -12,7 +12,6 @@ train silently in low precision, which is what the user asked amp to prevent.
 """
 
 import fnmatch
-import threading
 
 import torch
 
@@ -71,40 +70,35 @@ def keeps(module):
     return module in amp_state.fp32_modules
 
 
-class _Scopes(threading.local):
-    def __init__(self):
-        self.open = []  # the casting-off scopes of the FP32 modules running in this thread
-
-
 class FP32Inputs:
-    """Forward pre-hook: floating inputs to FP32 and, until the module returns, no casting."""
+    """Forward pre-hook: floating inputs to FP32 and, until the module returns, no casting.
 
-    def __init__(self, scopes):
-        self.scopes = scopes
+    Holds nothing, so a model with it still copies and pickles; the open scopes live in the
+    thread's state."""
 
     def __call__(self, module, args, kwargs):
         scope = policy_scope(None)
         scope.__enter__()
-        self.scopes.open.append(scope)
+        amp_state.thread.fp32_scopes.append(scope)
         return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
 
 
 class RestoreCasting:
     """Forward hook (also after an exception): casting as before; outputs to `dtype` if given."""
 
-    def __init__(self, scopes, dtype):
-        self.scopes, self.dtype = scopes, dtype
+    def __init__(self, dtype):
+        self.dtype = dtype
 
     def __call__(self, module, args, output):
-        if self.scopes.open:
-            self.scopes.open.pop().__exit__(None, None, None)
+        scopes = amp_state.thread.fp32_scopes
+        if scopes:
+            scopes.pop().__exit__(None, None, None)
         return output if self.dtype is None else cast_tree(output, self.dtype)
 
 
 def install(models, model_dtype, ledger):
     """Hooks on the outermost kept modules (undone by `ledger`). `model_dtype`: the dtype O2/O3
     cast the model to (outputs go back to it), or None at O0/O1 (outputs stay FP32)."""
-    scopes = _Scopes()
     for model in models:
         stack = [(model, True)]
         while stack:
@@ -114,7 +108,7 @@ def install(models, model_dtype, ledger):
                 continue
             # A model kept whole returns through its own output cast (cast_model_outputs).
             dtype = None if is_root else model_dtype
-            pre = module.register_forward_pre_hook(FP32Inputs(scopes), with_kwargs=True)
+            pre = module.register_forward_pre_hook(FP32Inputs(), with_kwargs=True)
             ledger.add_hook(pre, "fp32_modules input hook")
-            post = module.register_forward_hook(RestoreCasting(scopes, dtype), always_call=True)
+            post = module.register_forward_hook(RestoreCasting(dtype), always_call=True)
             ledger.add_hook(post, "fp32_modules output hook")
