@@ -74,9 +74,10 @@ class SkipDecision:
                     f"scale to {report.loss_scale}"
                 )
             else:
+                # apex's words first: scripts count skipped steps by them
                 message = (
-                    f"Non-finite loss.  Skipping step, loss scaler {loss_id} keeping loss scale "
-                    f"at {report.loss_scale}"
+                    f"Gradient overflow.  Skipping step, loss scaler {loss_id} keeping loss scale "
+                    f"at {report.loss_scale}: the loss itself is inf or NaN"
                 )
             if not again:  # the first optimizer of that loss speaks for the run of bad losses
                 fresh = True
