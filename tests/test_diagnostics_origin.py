@@ -307,3 +307,18 @@ def test_under_ddp_each_rank_names_its_own_origin(tmp_path):
     assert rank1["origins"] == [None, None, ["0", "forward", "inf"]]
     assert rank0["origins"] == [None, None, None]  # its own forward and backward were finite
     assert len(rank1["warnings"]) == 1 and "module '0'" in rank1["warnings"][0]
+
+
+def test_the_watch_stays_out_of_the_users_trace():
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        with amp.trace() as plain:
+            model(data(0)[0])
+        amp_state.origin_watch.arm(optimizer._amp_record)  # as a skip does
+        with amp.trace() as watched:
+            model(data(0)[0])
+    finally:
+        amp.deinitialize()
+    assert watched.ops() == plain.ops()

@@ -29,6 +29,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from .._state import amp_state
+from ..casting.patching import ORIGINAL_ATTRIBUTE
 
 _KEEP = 64  # (flag, origin) pairs kept for the skip reports that read them
 
@@ -72,10 +73,15 @@ def _floating(value, found):
     return found
 
 
+def _torch_stack(tensors):
+    # torch's own stack, not amp's O1 wrapper: amp's checks stay out of the user's amp.trace()
+    return getattr(torch.stack, ORIGINAL_ATTRIBUTE, torch.stack)(tensors)
+
+
 def _flag(tensors):
     """A bool[2] device tensor: (any inf, any NaN) over `tensors`. No sync."""
     with torch.no_grad():
-        flags = [torch.stack((t.isinf().any(), t.isnan().any())) for t in tensors]
+        flags = [_torch_stack((t.isinf().any(), t.isnan().any())) for t in tensors]
         flag = flags[0]
         for other in flags[1:]:
             flag = flag | other.to(flag.device)
@@ -269,7 +275,7 @@ def _first_nonfinite(events):
         by_device.setdefault(event[4].device, []).append(index)
     bad = {}
     for indices in by_device.values():
-        values = torch.stack([events[i][4] for i in indices]).tolist()
+        values = _torch_stack([events[i][4] for i in indices]).tolist()
         for index, (inf, nan) in zip(indices, values):
             if inf or nan:
                 bad[index] = "inf" if inf else "nan"
