@@ -12,9 +12,11 @@ from .casting.registration import (
 )
 from .casting.trace import trace
 from .compat.apex_state import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
+from .diagnostics.audit import audit
 from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
 from .scaling.grad_scaler import GradScaler
 from .scaling.handle import scale_loss
+from .scaling.nonfinite_loss import NonFiniteLossWarning
 from .scaling.overflow import last_overflow
 
 __version__ = "0.1.0"
@@ -43,6 +45,8 @@ __all__ = [
     # diagnostics
     "trace",
     "last_overflow",
+    "NonFiniteLossWarning",
+    "audit",
 ]
 # Not public: amp.kernels (stable interface, used by amp itself), LossScaler, PatchLedger.
 # amp._amp_state is apex's internal state object for scripts that use it (amp/compat/apex_state.py).

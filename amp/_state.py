@@ -34,6 +34,7 @@ class ThreadState(threading.local):
         self.policy = ThreadState.first_policy()  # this thread's own: a CastPolicy, None or INHERIT
         self.trace = None  # the innermost active casting.trace.Trace, or None
         self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
+        self.fp32_scopes = []  # casting-off scopes of the fp32_modules running in this thread
 
     def current_policy(self):
         """The CastPolicy in force in this thread, or None."""
@@ -88,6 +89,8 @@ class AmpState:
         # thread's state (a threading.local read costs about 150 ns; this flag, one attribute).
         self.active = False
         self.traces = 0  # amp.trace() blocks open in any thread
+        # scaling.origin.OriginWatch, set at its import; it outlives initialize (GradScaler uses it)
+        self.origin_watch = None
         self.reset()
 
     def refresh_active(self):
@@ -103,10 +106,15 @@ class AmpState:
         self.optimizers = []  # weights.optimizer.OptimizerRecord per optimizer, in initialize's order
         self.masters = {}  # id(model parameter) -> its FP32 master (O2)
         self.shadows = {}  # id(cast model parameter) -> its weights.shadows.Shadow (O2)
+        self.fp32_modules = set()  # the modules fp32_modules= keeps in FP32 (casting.fp32_modules)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
         self.ledger = None  # casting.patching.PatchLedger of the current initialize
         self.last_overflow = None
+        # A run of steps skipped for a non-finite loss: None, "pending" (to warn) or "warned"
+        self.nonfinite_loss_run = None
+        if self.origin_watch is not None:
+            self.origin_watch.disarm()  # no hook outlives the initialize that armed it
         self.parameter_watch = None  # compat.distributed.ParameterWatch of the optimizers' parameters
 
 

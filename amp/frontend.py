@@ -9,6 +9,7 @@ import torch
 
 from . import properties as properties_module
 from ._state import ThreadState, amp_state, logger
+from .casting import fp32_modules as fp32_modules_module
 from .casting import native_autocast
 from .casting.casts import policy_for
 from .casting.patching import PatchLedger
@@ -130,6 +131,7 @@ def initialize(
     min_loss_scale=None,
     max_loss_scale=2.0**24,
     dtype=None,
+    fp32_modules=None,
 ):
     """Set models and optimizers up for mixed precision training at `opt_level`.
 
@@ -154,6 +156,9 @@ def initialize(
         min_loss_scale, max_loss_scale (float): bounds of the dynamic loss scale.
         dtype (torch.dtype, default=None): the low-precision type, torch.float16 (None) or
             torch.bfloat16.
+        fp32_modules (list, optional): module classes or fnmatch patterns of qualified names
+            (``"blocks.*.attn"``) to run in FP32: no casting inside them at O1; FP32 parameters,
+            FP32 inputs and outputs cast back at O2/O3. A pattern matching nothing is an error.
 
     Returns:
         The models and optimizers in the shapes they were passed (apex's rules).
@@ -214,6 +219,7 @@ def initialize(
     if properties.cast_model_type or cast_model_outputs is not None:
         for index, model in enumerate(model_list):
             model_module.check_hookable(model, index, properties.opt_level)
+    kept_fp32 = fp32_modules_module.resolve(fp32_modules, model_list)
     distributed.check_engines(model_list, optimizer_list, properties)
 
     snapshot = Snapshot(model_list, optimizer_list)
@@ -223,7 +229,9 @@ def initialize(
         _set_verbosity(verbosity, ledger)
         amp_state.verbosity = verbosity
         _log_properties(base, properties)
+        amp_state.fp32_modules = kept_fp32
         _apply(properties, model_list, optimizer_list, cast_model_outputs, ledger)
+        fp32_modules_module.install(model_list, properties.cast_model_type or None, ledger)
         amp_state.loss_scalers = [
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)

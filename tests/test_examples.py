@@ -16,6 +16,7 @@ import demo  # noqa: E402
 import gan  # noqa: E402
 import gradients  # noqa: E402
 import transformer_lm  # noqa: E402
+import what_went_wrong  # noqa: E402
 
 SCRIPTS = [
     "demo.py",
@@ -25,6 +26,7 @@ SCRIPTS = [
     "checkpoint.py",
     "ddp.py",
     "fsdp2.py",
+    "what_went_wrong.py",
 ]
 
 
@@ -102,6 +104,19 @@ def test_gan_runs_with_three_loss_scalers():
 @pytest.mark.parametrize("technique", sorted(gradients.TECHNIQUES))
 def test_gradient_techniques(technique):
     assert gradients.run(technique, steps=40) > 0.7
+
+
+def test_what_went_wrong_names_the_layer_and_the_fix_works(capsys):
+    result = what_went_wrong.main(["--steps", "4", "--device", "cpu"])
+    broken, fixed = result["broken"], result["fixed"]
+    assert broken["skipped"] == 4 and broken["scales"] == [2.0**16] * 4  # no scale spiral
+    assert broken["report"].origin.module == "body.0"
+    assert result["audit"].rows[0].module == "body.0"
+    assert result["audit"].keep_fp32() == ["body"]
+    assert fixed["skipped"] == 0
+    printed = capsys.readouterr().out
+    assert "it started in the output of module 'body.0' in forward" in printed
+    assert "NonFiniteLossWarning" in printed and "fp32_modules=['body']" in printed
 
 
 def test_checkpoint_resumes_bit_identical_in_a_fresh_process():

@@ -19,6 +19,7 @@ LAYERS = (
     ("amp.casting",),  # O1 and regions
     ("amp.scaling",),  # loss scaling
     ("amp.weights",),  # O2/O3 weights and the optimizer that steps them
+    ("amp.diagnostics",),  # the precision audit, which runs the others' machinery
     ("amp.frontend", "amp.__main__", "amp"),  # the front door
 )
 

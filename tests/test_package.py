@@ -25,6 +25,8 @@ API = {  # ../shared/API.md
     "GradScaler",
     "trace",
     "last_overflow",
+    "NonFiniteLossWarning",
+    "audit",
 }
 
 

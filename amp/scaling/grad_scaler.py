@@ -17,7 +17,9 @@ from collections import abc, defaultdict
 import torch
 
 from .. import kernels
+from .._state import amp_state
 from ..compat import distributed
+from . import skip
 
 
 class ScalerValueError(ValueError, AssertionError):
@@ -138,6 +140,8 @@ class GradScaler:
         """Multiply a tensor, or an iterable of tensors (nested), by the scale factor."""
         if not self._enabled:
             return outputs
+        if amp_state.origin_watch.armed:  # the iteration after a skipped step is watched
+            amp_state.origin_watch.note_loss(outputs)
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
@@ -259,6 +263,8 @@ class GradScaler:
         result = None
         if not sum(flag.item() for flag in state["found_inf_per_device"].values()):
             result = optimizer.step(*args, **kwargs)
+        else:
+            state["skipped"] = skip.nonfinite_names(optimizer)  # for amp.last_overflow()
         state["stage"] = OptState.STEPPED
         return result
 
@@ -337,6 +343,8 @@ class GradScaler:
                 self._backoff_factor,
                 self._growth_interval,
             )
+            skipped = [state.get("skipped") for state in self._per_optimizer_states.values()]
+            skip.grad_scaler_update(self, [names for names in skipped if names is not None])
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # -- getters, setters, state -----------------------------------------------------------------

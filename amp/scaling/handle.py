@@ -4,8 +4,8 @@ import contextlib
 
 
 from .._state import amp_state
-from ..compat import distributed
 from ..compat.optimizer_wrappers import is_optimizer_like
+from . import nonfinite_loss
 from .scaler import OverflowFlag
 
 
@@ -104,6 +104,9 @@ def scale_loss(
     # as soon as it has been used; the cache holding them all through backward would only raise
     # the peak memory (and slow the backward's allocations).
     amp_state.cast_cache.clear()
+    loss_ok = nonfinite_loss.check(
+        loss, scaler.dynamic and not (delay_unscale or delay_overflow_check)
+    )
     entered = []
     try:
         try:
@@ -123,11 +126,11 @@ def scale_loss(
         if delay_unscale or not scaler.dynamic or delay_overflow_check:
             return
         # Every rank takes the same skip decision, even when only one saw the overflow.
-        distributed.reduce_flag(flag.tensor)
+        loss_ok = nonfinite_loss.agree(flag, loss_ok)
         for record in amp_state.optimizers:  # blocks still open keep the scale they used
             record.stash.freeze_scale(scaler, flag.tensor.device)
-        scaler.update(flag)
+        nonfinite_loss.update(scaler, flag, loss_ok)
         for record in records:
-            record.skips.add(loss_id, flag)
+            record.skips.add(loss_id, flag, loss_ok)
     finally:
         amp_state.cast_cache.clear()

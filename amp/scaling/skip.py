@@ -3,6 +3,7 @@
 from .._state import amp_state, logger
 from ..compat import distributed
 from ..compat.optimizer_wrappers import wrapped_optimizers
+from . import nonfinite_loss
 from .overflow import OverflowReport
 
 
@@ -11,19 +12,28 @@ class SkipDecision:
 
     def __init__(self, record):
         self.record = record
-        self.pending = []  # (loss_id, OverflowFlag) to read at the next step
+        self.pending = []  # (loss_id, OverflowFlag, loss-finite device flag or None)
 
-    def add(self, loss_id, flag):
-        self.pending.append((loss_id, flag))
+    def add(self, loss_id, flag, loss_ok=None):
+        self.pending.append((loss_id, flag, loss_ok))
 
     def clear(self):
         """zero_grad(): the gradients an overflow was found in are gone, so is the reason to skip."""
         self.pending = []
 
     def take(self):
-        """The (loss_id, flag) pairs that overflowed since the last step (one sync per flag)."""
+        """The pending entries that overflowed since the last step (one sync per flag).
+
+        A watched step (the one after a skip) ends here: its hooks go and its origin is found.
+        """
+        watch = amp_state.origin_watch
+        if watch.armed:
+            watch.settle(self.record, [entry[1] for entry in self.pending])
         pending, self.pending = self.pending, []
-        return [(loss_id, flag) for loss_id, flag in pending if flag.is_set()]
+        overflowed = [entry for entry in pending if entry[1].is_set()]
+        if pending and not overflowed and amp_state.nonfinite_loss_run is not None:
+            nonfinite_loss.after_clean_step()
+        return overflowed
 
     def skip(self, overflowed):
         """Skip this step: report where the overflow came from and drop the master gradients."""
@@ -39,19 +49,77 @@ class SkipDecision:
         names = distributed.nonfinite_names(params, record.param_name)
         for _, master in record.master_pairs:
             master.grad = None
-        for loss_id, flag in overflowed:
+        watch = amp_state.origin_watch
+        bad_loss = fresh = False
+        for loss_id, flag, loss_ok in overflowed:
+            origin = watch.origin_for(flag)
+            loss_finite = loss_ok is None or bool(loss_ok.item())  # the step syncs anyway
             params = names
             previous = amp_state.last_overflow
-            if previous is not None and previous.flag is flag:  # another optimizer of that loss
+            again = previous is not None and previous.flag is flag  # another optimizer of it
+            if again:
                 params = previous.params + tuple(n for n in names if n not in previous.params)
-            report = OverflowReport(loss_id, params, amp_state.loss_scalers[loss_id].loss_scale())
+            report = OverflowReport(
+                loss_id,
+                params,
+                amp_state.loss_scalers[loss_id].loss_scale(),
+                origin=origin,
+                nonfinite_loss=not loss_finite,
+            )
             report.flag = flag
             amp_state.last_overflow = report
-            message = (
-                f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale "
-                f"to {report.loss_scale}"
-            )
+            if loss_finite:
+                message = (
+                    f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss "
+                    f"scale to {report.loss_scale}"
+                )
+            else:
+                # apex's words first: scripts count skipped steps by them
+                message = (
+                    f"Gradient overflow.  Skipping step, loss scaler {loss_id} keeping loss scale "
+                    f"at {report.loss_scale}: the loss itself is inf or NaN"
+                )
+            if not again:  # the first optimizer of that loss speaks for the run of bad losses
+                fresh = True
+                if not loss_finite:
+                    bad_loss = True
+                    nonfinite_loss.after_bad_loss(loss_id, origin, watch.watched(flag))
             if amp_state.verbosity >= 2:
                 message += f"; non-finite gradients in: {', '.join(names) or 'none left'}"
             if amp_state.verbosity >= 1:
+                if origin is not None:
+                    message += f"; it started in {origin}"
                 logger.info(message)
+        if fresh and not bad_loss:
+            nonfinite_loss.after_clean_step()
+        watch.arm(record)
+
+
+def nonfinite_names(optimizer):
+    """GradScaler: the parameters of `optimizer` whose gradients are not finite, by position
+    ("param_groups[0]['params'][3]": GradScaler knows no names). Only on a skipped step."""
+    names, params = {}, []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            names[id(param)] = f"param_groups[{group_index}]['params'][{param_index}]"
+            params.append(param)
+    return distributed.nonfinite_names(params, lambda param: names[id(param)])
+
+
+def grad_scaler_update(scaler, skipped):
+    """GradScaler.update(): end a watched iteration; after a skip (`skipped`: the names from
+    each optimizer that skipped; step() read the flags, so the host knows) report it and watch
+    the next iteration."""
+    watch = amp_state.origin_watch
+    origin = watch.settle(scaler) if watch.armed else None
+    if not skipped:
+        return
+    params = tuple(name for names in skipped for name in names)
+    report = OverflowReport(None, params, scaler.get_scale(), origin=origin)
+    amp_state.last_overflow = report
+    message = f"Gradient overflow.  Skipping step, GradScaler reducing scale to {report.loss_scale}"
+    if origin is not None:
+        message += f"; it started in {origin}"
+    if amp_state.verbosity >= 1:
+        logger.info(message)
+    watch.arm(scaler)

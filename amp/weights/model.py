@@ -10,6 +10,7 @@ import functools
 import torch
 
 from .._state import amp_state
+from ..casting import fp32_modules
 from ..casting.casts import LOW_PRECISION, cast_tree
 from .masters import new_master
 from .shadows import (
@@ -75,6 +76,8 @@ def parameters_to_cast(model, keep_batchnorm_fp32):
 
 def _modules_to_cast(model, keep_batchnorm_fp32):
     for module in model.modules():
+        if fp32_modules.keeps(module):  # amp.initialize(..., fp32_modules=[...])
+            continue
         if not (keep_batchnorm_fp32 and isinstance(module, _BATCH_NORM)):
             yield module
 

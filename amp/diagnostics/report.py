@@ -1,0 +1,165 @@
+"""The audit's report: one row per module, worst first; a table; what to keep in FP32."""
+
+import dataclasses
+import math
+from typing import List, Optional
+
+# A module whose largest FP32 output is within this factor of the dtype's max keeps no room for
+# the growth of a few more steps: keep it in FP32.
+HEADROOM_MARGIN = 2.0
+UNDERFLOW_LIMIT = 0.01  # fraction of values flushed to zero above which precision is lost
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRow:
+    """One module's output, measured in FP32 and in the audit's low-precision dtype."""
+
+    module: str  # qualified name as in named_modules() ("" is the model itself)
+    op: str  # the module's class
+    calls: int  # how often the forward called it
+    headroom: float  # dtype max / max |FP32 output| (inf for an all-zero output; < 1 overflows)
+    relative_error: float  # ||low - FP32|| / ||FP32|| over its outputs (inf when low is not finite)
+    underflow: float  # fraction of the FP32 output's nonzero values the dtype flushes to zero
+    # fraction of the nonzero gradients of its output that the dtype flushes to zero once
+    # multiplied by the loss scale; None when the loss has no gradient (a no_grad forward)
+    grad_underflow: Optional[float]
+    order: int = dataclasses.field(default=0, repr=False)  # when it first returned, in the FP32 run
+
+    @property
+    def overflows(self):
+        return self.headroom < 1.0
+
+    def _sort_key(self):
+        error = self.relative_error if math.isfinite(self.relative_error) else math.inf
+        return (
+            not self.overflows,
+            self.headroom >= HEADROOM_MARGIN,
+            -error,
+            -self.underflow,
+            self.order,  # of modules alike, the first to return: the others follow from it
+        )
+
+
+def _number(value, digits=3):
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.{digits}g}"
+
+
+class AuditReport:
+    """What `amp.audit` measured: `.rows` worst first; `str()` a table; `suggest()` advice."""
+
+    def __init__(self, rows: List[AuditRow], dtype, loss_scale, loss_fp32, loss_low):
+        self.rows = sorted(rows, key=AuditRow._sort_key)
+        self.dtype = dtype
+        self.loss_scale = loss_scale
+        self.loss_fp32 = loss_fp32  # the loss fn() returned, in FP32 and in `dtype`
+        self.loss_low = loss_low
+
+    def row(self, module):
+        """The row of the module named `module`."""
+        for row in self.rows:
+            if row.module == module:
+                return row
+        raise KeyError(f"no module named {module!r} ran in the audited forward")
+
+    def __str__(self):
+        dtype = str(self.dtype).replace("torch.", "")
+        header = ("module", "class", "headroom", "rel. error", "underflow", "grad underflow")
+        lines = [
+            (
+                row.module or "(model)",
+                row.op,
+                _number(row.headroom),
+                _number(row.relative_error, 2),
+                f"{row.underflow:.1%}",
+                "-" if row.grad_underflow is None else f"{row.grad_underflow:.1%}",
+            )
+            for row in self.rows
+        ]
+        widths = [max(len(line[i]) for line in [header] + lines) for i in range(len(header))]
+        table = [
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+            for line in [header] + lines
+        ]
+        table.insert(1, "  ".join("-" * width for width in widths))
+        table.insert(
+            0,
+            f"amp.audit: {dtype} against float32, loss scale {self.loss_scale:g}; loss "
+            f"{self.loss_fp32:.6g} in float32, {self.loss_low:.6g} in {dtype}",
+        )
+        return "\n".join(table)
+
+    __repr__ = __str__
+
+    def keep_fp32(self):
+        """The modules to keep in FP32, as `fp32_modules` takes them.
+
+        A module is flagged when its output overflows the dtype or comes within a factor
+        HEADROOM_MARGIN of its max, or loses more than UNDERFLOW_LIMIT of its values to zero.
+        A module whose submodules that ran are all flagged (with itself) is named instead of
+        them; a flagged module with healthy parts is left to its flagged parts; never the whole
+        model.
+        """
+        flagged = {
+            row.module
+            for row in self.rows
+            if row.headroom < HEADROOM_MARGIN or row.underflow > UNDERFLOW_LIMIT
+        }
+        names = [row.module for row in self.rows]
+
+        def whole(name):
+            kids = [n for n in names if n != name and n.rpartition(".")[0] == name]
+            return name in flagged and all(whole(kid) for kid in kids)
+
+        return [
+            name
+            for name in names
+            if name and whole(name) and not any(whole(parent) for parent in _parents(name))
+        ]
+
+    def suggest(self):
+        """Plain advice: what to keep in FP32 and the `fp32_modules` argument that does it."""
+        dtype = str(self.dtype).replace("torch.", "")
+        keep = self.keep_fp32()
+        lines = []
+        for name in keep:
+            row = self.row(name)
+            if row.headroom < HEADROOM_MARGIN:
+                why = (
+                    f"its output overflows {dtype}"
+                    if row.overflows
+                    else f"its output comes within {row.headroom:.3g}x of {dtype}'s max"
+                )
+            else:
+                why = f"{row.underflow:.1%} of its output underflows to zero in {dtype}"
+            lines.append(f"- keep {name or '(the whole model)'} ({row.op}) in FP32: {why}")
+        if keep:
+            patterns = ", ".join(repr(name) for name in keep)
+            lines.append(
+                f"amp.initialize(model, optimizer, opt_level=..., fp32_modules=[{patterns}]) "
+                "does it (O1: no casting inside them; O2/O3: FP32 weights, inputs and outputs "
+                "cast around them)."
+            )
+        else:
+            lines.append(f"Nothing needs to stay in FP32: every module fits {dtype}.")
+        starving = [
+            row.module or "(model)"
+            for row in self.rows
+            if row.grad_underflow is not None and row.grad_underflow > UNDERFLOW_LIMIT
+        ]
+        if starving:
+            lines.append(
+                f"At loss scale {self.loss_scale:g} the gradients of {', '.join(starving[:5])}"
+                f"{' ...' if len(starving) > 5 else ''} partly underflow in {dtype}: a dynamic "
+                "loss scale grows to fix it by itself; a static one should be larger."
+            )
+        return "\n".join(lines)
+
+
+def _parents(name):
+    """The qualified names of the modules above `name`, the model itself ("") left out."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]

@@ -1,0 +1,324 @@
+"""Where an inf/NaN started: amp watches the step after a skip, names the module, removes its hooks."""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.modules import module as nn_module
+
+import amp
+from amp._state import amp_state
+
+
+@pytest.fixture(autouse=True)
+def no_watch_left():
+    """A GradScaler's watch outlives its loop: end it (and forget the reports) after each test."""
+    yield
+    amp_state.origin_watch.disarm()
+    amp_state.last_overflow = None
+
+
+def global_hooks():
+    return len(nn_module._global_forward_hooks) + len(nn_module._global_forward_pre_hooks)
+
+
+def tensor_hooks(model):
+    return sum(len(p._backward_hooks or {}) for p in model.parameters())
+
+
+class Body(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)  # module backward hooks would break on this
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.body = Body()
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.body(self.inp(x)))
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def data(step):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)
+
+
+def train(model, optimizer, steps, loss_fn=None, loss_id=0):
+    reports = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = data(step)
+        out = model(x)
+        loss = loss_fn(out, y) if loss_fn else ((out.float() - y) ** 2).mean()
+        with amp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+            scaled.backward()
+        optimizer.step()
+        reports.append(amp.last_overflow())
+    return reports
+
+
+def blow_up(linear, factor=1e5):
+    with torch.no_grad():
+        linear.weight.mul_(factor)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_a_forward_overflow_is_traced_to_its_module_at_every_level(opt_level):
+    model = net()
+    blow_up(model.body.lin)  # FP32 is fine, float16 overflows in body.lin
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, loss_scale="dynamic", verbosity=0
+    )
+    try:
+        with pytest.warns(amp.NonFiniteLossWarning):
+            first, second, third = train(model, optimizer, 3)
+        assert first.origin is None  # nothing was watched before the first skip
+        for report in (second, third):
+            origin = report.origin
+            assert (origin.module, origin.phase, origin.op) == ("body.lin", "forward", "Linear")
+            assert origin.dtype is torch.float16 and origin.kind == "inf"
+    finally:
+        amp.deinitialize()
+
+
+def test_the_origin_inside_one_layer_of_a_transformer():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    blow_up(model.layers[1].linear2, 1e6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        reports = []
+        with pytest.warns(amp.NonFiniteLossWarning, match="layers.1.linear2"):
+            for step in range(2):
+                optimizer.zero_grad()
+                x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(step))
+                loss = model(x).float().pow(2).mean()
+                with amp.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+                optimizer.step()
+                reports.append(amp.last_overflow())
+    finally:
+        amp.deinitialize()
+    origin = reports[1].origin
+    assert (origin.module, origin.phase, origin.op) == ("layers.1.linear2", "forward", "Linear")
+
+
+class Spike(torch.autograd.Function):
+    """Identity forward; a backward that overflows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e30
+
+
+class Spiky(torch.nn.Module):
+    def forward(self, x):
+        return Spike.apply(x)
+
+
+def test_a_backward_only_overflow_from_a_custom_autograd_function():
+    model = net()
+    model.body.act = Spiky()  # forward finite, backward inf: the loss stays finite
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        first, second = train(model, optimizer, 2)
+        scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    finally:
+        amp.deinitialize()
+    assert not first.nonfinite_loss and first.origin is None
+    origin = second.origin
+    assert (origin.module, origin.phase, origin.op) == ("body.act", "backward", "Spiky")
+    assert origin.kind == "inf" and origin.dtype is torch.float16  # body.lin ran in float16
+    assert scale == 2.0**16 / 4  # a gradient overflow still backs off, twice
+
+
+def test_nothing_is_installed_before_a_skip_and_no_hook_is_left_behind():
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O1", verbosity=0, max_loss_scale=2.0**8
+    )
+    kept = []
+    model.body.lin.register_forward_hook(lambda m, a, out: kept.append(out))
+    try:
+        train(model, optimizer, 2)
+        assert global_hooks() == 0 and tensor_hooks(model) == 0
+        assert not amp_state.origin_watch.armed
+        blow_up(model.body.lin)
+        train(model, optimizer, 1)  # skipped: armed for the next step only
+        assert amp_state.origin_watch.armed and global_hooks() == 2
+        optimizer.zero_grad()
+        with torch.no_grad():
+            model.body.lin.weight.div_(1e5)
+        kept.clear()
+        with pytest.warns(amp.NonFiniteLossWarning, match="at one step"):
+            train(model, optimizer, 1)  # the watched step, clean: the watch ends with it
+        assert amp.last_overflow().origin is None
+        assert global_hooks() == 0 and tensor_hooks(model) == 0
+        assert all(not out._backward_hooks for out in kept)
+        blow_up(model.body.lin)
+        train(model, optimizer, 1)
+        assert global_hooks() == 2
+    finally:
+        amp.deinitialize()  # while armed: deinitialize removes the hooks too
+    assert global_hooks() == 0 and tensor_hooks(model) == 0
+
+
+def test_several_models_and_losses():
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    second = net(1)
+    blow_up(second.head, 1e6)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+    models, optimizers = amp.initialize(
+        [first, second], optimizers, opt_level="O2", num_losses=2, verbosity=0
+    )
+    try:
+        with pytest.warns(amp.NonFiniteLossWarning):
+            for step in range(2):
+                x, y = data(step)
+                for loss_id, (model, optimizer) in enumerate(zip(models, optimizers)):
+                    optimizer.zero_grad()
+                    loss = ((model(x).float() - y) ** 2).mean()
+                    with amp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+                        scaled.backward()
+                    optimizer.step()
+        report = amp.last_overflow()
+    finally:
+        amp.deinitialize()
+    assert report.loss_id == 1
+    assert (report.origin.module, report.origin.op) == ("head", "Linear")
+
+
+def test_verbosity_one_names_the_origin_once_known(caplog):
+    model = net()
+    blow_up(model.body.lin)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="amp"), pytest.warns(amp.NonFiniteLossWarning):
+            caplog.clear()
+            train(model, optimizer, 2)
+    finally:
+        amp.deinitialize()
+    skips = [r.message for r in caplog.records if "Skipping step" in r.message]
+    assert len(skips) == 2
+    assert "body.lin" not in skips[0]
+    assert (
+        "it started in the output of module 'body.lin' in forward (Linear, float16, inf)"
+        in skips[1]
+    )
+
+
+def grad_scaler_run(scaler_class, steps=4):
+    model = net()
+    blow_up(model.body.lin, 1e6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = scaler_class()
+    scales, reports = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = data(step)
+        with amp.autocast(dtype=torch.float16):
+            out = model(x)
+        loss = ((out.float() - y) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        reports.append(amp.last_overflow())
+    return model, scales, reports
+
+
+def test_grad_scaler_reports_the_origin_and_stays_identical_to_torch():
+    ours, our_scales, reports = grad_scaler_run(amp.GradScaler)
+    assert global_hooks() == 2  # the last step skipped: the next one would be watched
+    amp_state.origin_watch.disarm()
+    theirs, their_scales, _ = grad_scaler_run(lambda: torch.amp.GradScaler("cpu"))
+    assert our_scales == their_scales == [2.0**15, 2.0**14, 2.0**13, 2.0**12]
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+    assert reports[0].loss_id is None and reports[0].origin is None
+    assert "param_groups[0]['params'][2]" in reports[0].params  # body.lin.weight, by position
+    assert reports[0].loss_scale == 2.0**15
+    origin = reports[1].origin
+    assert (origin.module, origin.phase, origin.dtype) == ("body.lin", "forward", torch.float16)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_ddp_each_rank_names_its_own_origin(tmp_path):
+    """Two gloo processes: rank 1's input overflows in layer "0", rank 0's does not. Both skip
+    and keep the scale (rank 1's loss is not finite); each names what it saw."""
+    env = dict(
+        os.environ,
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS="1",
+    )
+    script = os.path.join(os.path.dirname(__file__), "diagnostics_ddp_helper.py")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path)],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    logs = [process.communicate(timeout=240)[0] for process in processes]
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log[-3000:]
+    rank0, rank1 = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert rank0["scales"] == rank1["scales"] == [2.0**16] * 3  # kept on both ranks
+    assert rank1["origins"] == [None, None, ["0", "forward", "inf"]]
+    assert rank0["origins"] == [None, None, None]  # its own forward and backward were finite
+    assert len(rank1["warnings"]) == 1 and "module '0'" in rank1["warnings"][0]
+
+
+def test_the_watch_stays_out_of_the_users_trace():
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        with amp.trace() as plain:
+            model(data(0)[0])
+        amp_state.origin_watch.arm(optimizer._amp_record)  # as a skip does
+        with amp.trace() as watched:
+            model(data(0)[0])
+    finally:
+        amp.deinitialize()
+    assert watched.ops() == plain.ops()
