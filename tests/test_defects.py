@@ -381,10 +381,12 @@ def test_item07_huge_int_loss_scale_gets_amps_error(scale):
 # -- item 8: a static checkpoint resumed with a dynamic scaler -------------------------------------
 
 
-def _scaled_step(model, optimizer, scale_input=1.0):
-    loss = model(torch.full((2, 4), scale_input)).float().sum()
+def _scaled_step(model, optimizer, overflow=False):
+    loss = model(torch.ones(2, 4)).float().sum()
     with amp.scale_loss(loss, optimizer) as scaled:
         scaled.backward()
+        if overflow:  # in the scaled gradients, not the loss (a non-finite loss keeps the scale)
+            next(model.parameters()).grad[0, 0] = float("inf")
     optimizer.step()
     optimizer.zero_grad()
 
@@ -406,7 +408,7 @@ def test_item08_static_checkpoint_starts_a_dynamic_scaler_at_its_scale(caplog):
     assert amp.state_dict()["loss_scaler0"] == {
         "loss_scale": 128.0, "unskipped": 0, "dynamic": True
     }
-    _scaled_step(model, optimizer, scale_input=float("inf"))  # an overflow: dynamic backs off
+    _scaled_step(model, optimizer, overflow=True)  # an overflow: dynamic backs off
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 64.0
     _scaled_step(model, optimizer)
     assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
