@@ -31,6 +31,7 @@ from ..compat import distributed
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")
 _numel = torch.Tensor.numel
+_NONES = itertools.repeat(None)  # with map(operator.is_, ...): a C-level "is None" per item
 
 
 def set_each(objects, name, values):
@@ -41,7 +42,7 @@ def set_each(objects, name, values):
 def _take(params):
     """[(param, grad)] for the params holding a gradient, which they no longer do."""
     grads = list(map(_grad, params))
-    if grads.count(None) == len(grads):  # the usual case after zero_grad(set_to_none=True)
+    if all(map(operator.is_, grads, _NONES)):  # the usual case after zero_grad(set_to_none=True)
         return []
     taken = [(param, grad) for param, grad in zip(params, grads) if grad is not None]
     for param, _ in taken:
@@ -234,16 +235,21 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
     model's gradients are dropped."""
     models, masters = record.models, record.masters
     grads = list(map(_grad, models))
-    if grads.count(None) == len(grads):
+    # `None in grads` would compare each tensor to None with ==, some 20 us a tensor.
+    if any(map(operator.is_, grads, _NONES)):
+        if all(map(operator.is_, grads, _NONES)):
+            return
+        set_each(models, "grad", _NONES)
+        _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
         return
-    set_each(models, "grad", itertools.repeat(None))
-    if None in grads or any(map(_is_sparse, grads)):
+    set_each(models, "grad", _NONES)
+    if any(map(_is_sparse, grads)):
         _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
         return
     master_grads = list(map(_grad, masters)) if into_masters else [None]
-    if master_grads.count(None) == len(master_grads):
+    if all(map(operator.is_, master_grads, _NONES)):
         adding = False
-    elif None in master_grads or any(map(_is_sparse, master_grads)):
+    elif any(map(operator.is_, master_grads, _NONES)) or any(map(_is_sparse, master_grads)):
         _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
         return
     else:

@@ -1,6 +1,7 @@
 """O2 master weights: the FP32 copies an optimizer steps in place of the model's low-precision
 parameters, kept in step with the model both ways."""
 
+import itertools
 import operator
 
 import torch
@@ -12,6 +13,7 @@ from .shadows import mark_params, sync_params
 
 _grad = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")
+_NONES = itertools.repeat(None)
 
 
 def new_master(param):
@@ -84,12 +86,10 @@ class MasterWeights:
     def fold_outside_gradients(self):
         """Gradients of model parameters made by a backward outside scale_loss are unscaled:
         they join the master gradients (apex dropped them; without this O2 would not step)."""
-        if not self.models:
-            return
-        grads = list(map(_grad, self.models))
-        if grads.count(None) == len(grads):  # the usual case: scale_loss took them
-            return
-        for model_param, master, grad in zip(self.models, self.masters, grads):
+        if not self.models or all(map(operator.is_, map(_grad, self.models), _NONES)):
+            return  # the usual case: scale_loss took them
+        for model_param, master in zip(self.models, self.masters):
+            grad = model_param.grad
             if grad is not None:
                 add_to_master_grad(master, grad.float())
                 model_param.grad = None

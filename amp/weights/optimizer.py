@@ -58,8 +58,7 @@ class OptimizerRecord(MasterWeights):
     # -- step ---------------------------------------------------------------------------------
 
     def step(self, *args, **kwargs):
-        closure = kwargs.get("closure", args[0] if args else None)
-        if closure is not None:
+        if (args or kwargs) and kwargs.get("closure", args[0] if args else None) is not None:
             raise RuntimeError(
                 "Currently, Amp does not support closure use with optimizers. Call backward "
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
@@ -118,8 +117,7 @@ class OptimizerRecord(MasterWeights):
     def zero_grad(self, *args, **kwargs):
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
-        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-        if set_to_none:
+        if not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True):
             set_each(self.models, "grad", itertools.repeat(None))
         else:
             for model_param in self.models:
