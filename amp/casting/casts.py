@@ -42,6 +42,8 @@ _Tensor = torch.Tensor
 _dtype = torch.dtype
 _float32 = torch.float32
 SEQUENCES = (list, tuple)  # the containers patched calls are searched for tensors
+_Parameter = torch.nn.Parameter
+_PLAIN_ARGUMENTS = frozenset((int, float, bool, str, type(None), slice))  # never cast, never hold
 
 
 def _converter(target, sources, device_filter, cache):
@@ -58,7 +60,10 @@ def _converter(target, sources, device_filter, cache):
         index = -1
         for value in values:
             index += 1
-            if isinstance(value, _Tensor):
+            kind = value.__class__
+            if kind in _PLAIN_ARGUMENTS:
+                continue  # ints, floats, None...: read without a call to isinstance
+            if kind is _Parameter or kind is _Tensor or isinstance(value, _Tensor):
                 dtype = value.dtype
                 if dtype in sources and (device_filter is None or device_filter(value)):
                     if converted is None:
@@ -72,14 +77,14 @@ def _converter(target, sources, device_filter, cache):
                         converted[index] = cached_cast(value)
                     else:
                         converted[index] = cast(value)
-            elif value.__class__ in SEQUENCES:
+            elif kind in SEQUENCES:
                 if value:
                     inner = convert(value)
                     if inner is not None:
                         if converted is None:
                             converted = list(values)
-                        converted[index] = value.__class__(inner)
-            elif value.__class__ is _dtype:
+                        converted[index] = kind(inner)
+            elif kind is _dtype:
                 raise ExplicitDtype
         return converted
 
@@ -198,7 +203,8 @@ class WeightCastCache:
         is_grad_enabled = torch.is_grad_enabled
 
         def cached_cast(tensor):
-            entry = entries.get(id(tensor))
+            key = id(tensor)
+            entry = entries.get(key)
             if entry is not None:
                 weight, version, pointer, result = entry
                 if (
@@ -216,7 +222,7 @@ class WeightCastCache:
                 # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
                 with torch.enable_grad():
                     result = cast(tensor)
-            entries[id(tensor)] = (tensor, version_of(tensor), data_ptr(tensor), result)
+            entries[key] = (tensor, version_of(tensor), data_ptr(tensor), result)
             return result
 
         return cached_cast
