@@ -31,6 +31,7 @@ _FP32_VERSION = operator.attrgetter("fp32_version")
 _NAME = operator.attrgetter("name")
 _PARAMETERS = operator.attrgetter("module._parameters")
 _VERSION = operator.attrgetter("_version")
+_SHAPE = operator.attrgetter("shape")
 
 
 class Shadow:
@@ -89,11 +90,13 @@ def sync_params(shadows):
     """
     currents = list(map(dict.get, map(_PARAMETERS, shadows), map(_NAME, shadows)))
     lows = list(map(_LOW, shadows))
+    fp32s = list(map(_FP32, shadows))
     try:
         if (
             all(map(operator.is_, currents, lows))
             and list(map(_VERSION, lows)) == list(map(_LOW_VERSION, shadows))
-            and list(map(_VERSION, map(_FP32, shadows))) == list(map(_FP32_VERSION, shadows))
+            and list(map(_VERSION, fp32s)) == list(map(_FP32_VERSION, shadows))
+            and list(map(_SHAPE, lows)) == list(map(_SHAPE, fp32s))  # `param.data = ...`
         ):
             return
     except AttributeError:  # a parameter removed (None): looked at below
@@ -104,6 +107,7 @@ def sync_params(shadows):
             or current is not shadow.low
             or current._version != shadow.low_version
             or shadow.fp32._version != shadow.fp32_version
+            or current.shape != shadow.fp32.shape
         ):
             shadow.sync()
 
