@@ -85,3 +85,32 @@ def test_a_write_into_one_parameter_is_taken_into_its_master_alone():
                 assert torch.equal(master, old)
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_gradients_are_never_compared_with_equality(monkeypatch, opt_level):
+    """`None in grads` or `grads.count(None)` runs Tensor.__eq__ per gradient (some 20 us each):
+    amp tests for absent gradients by identity."""
+    model = make_model(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0
+    )
+    compared = []
+    original = torch.Tensor.__eq__
+
+    def counting(self, other):
+        compared.append(other)
+        return original(self, other)
+
+    try:
+        monkeypatch.setattr(torch.Tensor, "__eq__", counting)
+        for _ in range(2):  # the second block finds the first one's gradients (accumulation)
+            loss = model(torch.randn(8, 4)).float().square().mean()
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+        optimizer.step()
+        monkeypatch.undo()
+        assert compared == []
+    finally:
+        amp.deinitialize()
