@@ -110,6 +110,36 @@ def test_low_precision_grads_are_freed_slice_by_slice(monkeypatch, small_chunks)
         amp.deinitialize()
 
 
+def test_parameters_without_gradient_leave_the_others_sliced(monkeypatch, small_chunks):
+    """Parameters this backward did not reach keep no master gradient; the others are still
+    unscaled slice by slice, bit for bit."""
+    model, optimizer = initialized(torch.bfloat16)
+    reached = set(model[:4].parameters())  # two of the six Linear layers
+    calls = []
+    original = amp.kernels.unscale_to_
+
+    def watching(sources, destinations, *args, **kwargs):
+        calls.append(len(sources))
+        return original(sources, destinations, *args, **kwargs)
+
+    try:
+        x = torch.randn(16, 8, dtype=torch.bfloat16)
+        with amp.scale_loss(model[:4](x).float().square().mean(), optimizer) as scaled:
+            scaled.backward()
+            grads = {param: param.grad.clone() for param in reached}
+            monkeypatch.setattr(amp.kernels, "unscale_to_", watching)
+        monkeypatch.setattr(amp.kernels, "unscale_to_", original)
+        inv_scale = torch.tensor(amp.state_dict()["loss_scaler0"]["loss_scale"] ** -1)
+        assert calls == [2, 2]  # a Linear's weight and bias (72 elements) in each slice
+        for param, master in zip(model.parameters(), amp.master_params(optimizer)):
+            if param in reached:
+                assert torch.equal(master.grad, grads[param].float() * inv_scale)
+            else:
+                assert master.grad is None
+    finally:
+        amp.deinitialize()
+
+
 def test_skipped_step_with_slices_changes_nothing(small_chunks):
     model, optimizer = initialized(torch.float16)
     try:

@@ -15,7 +15,9 @@ raises. A block nested in another on the same optimizer hands its unscaled gradi
 enclosing block, which joins them if it exits normally itself.
 
 O2: the master gradients are the unscaled store. New model gradients are unscaled into them and
-dropped from the model; a sparse model gradient gives a sparse master gradient.
+dropped from the model, slice by slice (CHUNK_ELEMENTS), so that the low-precision and the FP32
+gradients are never alive in full together; a sparse model gradient gives a sparse master
+gradient.
 """
 
 import bisect
@@ -235,13 +237,14 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
     model's gradients are dropped."""
     models, masters = record.models, record.masters
     grads = list(map(_grad, models))
-    # `None in grads` would compare each tensor to None with ==, some 20 us a tensor.
-    if any(map(operator.is_, grads, _NONES)):
-        if all(map(operator.is_, grads, _NONES)):
+    # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
+    present = list(map(operator.is_not, grads, _NONES))
+    if not all(present):
+        if not any(present):
             return
-        set_each(models, "grad", _NONES)
-        _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
-        return
+        models = list(itertools.compress(models, present))  # parameters that had no gradient
+        masters = list(itertools.compress(masters, present))  # (unused in this backward)
+        grads = list(itertools.compress(grads, present))
     set_each(models, "grad", _NONES)
     if any(map(_is_sparse, grads)):
         _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
@@ -271,11 +274,9 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
 
 
 def _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed):
-    """_unscale_model_grads for a mix of sparse, dense and absent gradients."""
+    """_unscale_model_grads for a mix of sparse and dense gradients, or of master gradients."""
     fresh_sources, fresh, add_sources, add_to, later = [], [], [], [], []
     for model_param, master, grad in zip(models, masters, grads):
-        if grad is None:
-            continue
         if grad.is_sparse:
             grad = grad.coalesce()
             values = torch.empty_like(grad._values(), dtype=torch.float32)
