@@ -4,6 +4,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import operator
 
 import torch
 
@@ -41,6 +42,8 @@ _Tensor = torch.Tensor
 _dtype = torch.dtype
 _float32 = torch.float32
 SEQUENCES = (list, tuple)  # the containers patched calls are searched for tensors
+_Parameter = torch.nn.Parameter
+_PLAIN_ARGUMENTS = frozenset((int, float, bool, str, type(None), slice))  # never cast, never hold
 
 
 def _converter(target, sources, device_filter, cache):
@@ -57,7 +60,10 @@ def _converter(target, sources, device_filter, cache):
         index = -1
         for value in values:
             index += 1
-            if isinstance(value, _Tensor):
+            kind = value.__class__
+            if kind in _PLAIN_ARGUMENTS:
+                continue  # ints, floats, None...: read without a call to isinstance
+            if kind is _Parameter or kind is _Tensor or isinstance(value, _Tensor):
                 dtype = value.dtype
                 if dtype in sources and (device_filter is None or device_filter(value)):
                     if converted is None:
@@ -71,14 +77,14 @@ def _converter(target, sources, device_filter, cache):
                         converted[index] = cached_cast(value)
                     else:
                         converted[index] = cast(value)
-            elif value.__class__ in SEQUENCES:
+            elif kind in SEQUENCES:
                 if value:
                     inner = convert(value)
                     if inner is not None:
                         if converted is None:
                             converted = list(values)
-                        converted[index] = value.__class__(inner)
-            elif value.__class__ is _dtype:
+                        converted[index] = kind(inner)
+            elif kind is _dtype:
                 raise ExplicitDtype
         return converted
 
@@ -183,6 +189,7 @@ class WeightCastCache:
         # weight keeps nothing alive that the cast does not already hold (through its autograd
         # node), and it rules out a recycled id while the entry exists.
         self._entries = {dtype: {} for dtype in CASTABLE}
+        self._all = tuple(self._entries.values())
 
     def __len__(self):
         return sum(map(len, self._entries.values()))
@@ -196,7 +203,8 @@ class WeightCastCache:
         is_grad_enabled = torch.is_grad_enabled
 
         def cached_cast(tensor):
-            entry = entries.get(id(tensor))
+            key = id(tensor)
+            entry = entries.get(key)
             if entry is not None:
                 weight, version, pointer, result = entry
                 if (
@@ -214,51 +222,51 @@ class WeightCastCache:
                 # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
                 with torch.enable_grad():
                     result = cast(tensor)
-            entries[id(tensor)] = (tensor, version_of(tensor), data_ptr(tensor), result)
+            entries[key] = (tensor, version_of(tensor), data_ptr(tensor), result)
             return result
 
         return cached_cast
 
     def clear(self):
-        for entries in self._entries.values():
-            entries.clear()
+        for entries in self._all:  # runs several times a step, mostly on empty dicts
+            if entries:
+                entries.clear()
 
 
 amp_state.cast_cache = WeightCastCache()
 
 
-def should_cast_to(tensor, dtype, device_filter=None):
-    """The eligibility rule for model inputs/outputs and custom_fwd: floating, not float64."""
-    return (
-        tensor.dtype in CASTABLE
-        and tensor.dtype is not dtype
-        and (device_filter is None or device_filter(tensor))
-    )
-
-
 def cast_tree(value, dtype, device_filter=None):
-    """`value` with every eligible tensor inside it cast to `dtype`.
+    """`value` with every eligible tensor inside it cast to `dtype`: floating, not float64 (the
+    rule for model inputs/outputs and custom_fwd), and on a device `device_filter` accepts.
 
     Tensors may sit in any nesting of tuples, lists, dicts (and other mappings), namedtuples,
     dataclasses, or be objects with a `.to()` method (custom batch types, called with `dtype`).
     Container types are preserved, and an unchanged value is returned as the same object.
     """
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if should_cast_to(value, dtype, device_filter) else value
-    if value is None or isinstance(value, (str, bytes, int, float, bool, torch.dtype)):
+    # It runs on a model's inputs and outputs every forward: plain loops, no comprehensions or
+    # generators (a Python frame each), and C-level identity checks.
+    if isinstance(value, _Tensor):
+        if value.dtype in CASTABLE and value.dtype is not dtype:
+            if device_filter is None or device_filter(value):
+                return value.to(dtype)
+        return value
+    if value is None or isinstance(value, _ATOMS):
         return value
     if isinstance(value, tuple):
-        items = [cast_tree(item, dtype, device_filter) for item in value]
-        if all(new is old for new, old in zip(items, value)):
+        items = _cast_items(value, dtype, device_filter)
+        if items is None:
             return value
         if hasattr(value, "_fields"):  # namedtuple
             return type(value)(*items)
         return type(value)(items)
     if isinstance(value, list):
-        items = [cast_tree(item, dtype, device_filter) for item in value]
-        if all(new is old for new, old in zip(items, value)):
+        items = _cast_items(value, dtype, device_filter)
+        if items is None:
             return value
         return items if type(value) is list else _rebuild(value, items, list)
+    if type(value) is dict and not value:
+        return value
     if isinstance(value, collections.abc.Mapping):
         items = {key: cast_tree(item, dtype, device_filter) for key, item in value.items()}
         if all(items[key] is item for key, item in value.items()):
@@ -273,6 +281,17 @@ def cast_tree(value, dtype, device_filter=None):
     if callable(to):
         return to(dtype)
     return value
+
+
+_ATOMS = (str, bytes, int, float, bool, torch.dtype)
+
+
+def _cast_items(values, dtype, device_filter):
+    """[cast_tree(value) for each of `values`], or None when every one comes back unchanged."""
+    items = []
+    for value in values:
+        items.append(cast_tree(value, dtype, device_filter))
+    return None if all(map(operator.is_, items, values)) else items
 
 
 def _rebuild_mapping(original, items):

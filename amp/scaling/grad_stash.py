@@ -15,9 +15,14 @@ raises. A block nested in another on the same optimizer hands its unscaled gradi
 enclosing block, which joins them if it exits normally itself.
 
 O2: the master gradients are the unscaled store. New model gradients are unscaled into them and
-dropped from the model; a sparse model gradient gives a sparse master gradient.
+dropped from the model, slice by slice (CHUNK_ELEMENTS), so that the low-precision and the FP32
+gradients are never alive in full together; a sparse model gradient gives a sparse master
+gradient.
 """
 
+import bisect
+import collections
+import itertools
 import operator
 
 import torch
@@ -27,12 +32,19 @@ from ..compat import distributed
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")
+_numel = torch.Tensor.numel
+_NONES = itertools.repeat(None)  # with map(operator.is_, ...): a C-level "is None" per item
+
+
+def set_each(objects, name, values):
+    """setattr(object, name, value) pairwise at C level: no Python frame per parameter."""
+    collections.deque(map(setattr, objects, itertools.repeat(name), values), maxlen=0)
 
 
 def _take(params):
     """[(param, grad)] for the params holding a gradient, which they no longer do."""
     grads = list(map(_grad, params))
-    if grads.count(None) == len(grads):  # the usual case after zero_grad(set_to_none=True)
+    if all(map(operator.is_, grads, _NONES)):  # the usual case after zero_grad(set_to_none=True)
         return []
     taken = [(param, grad) for param, grad in zip(params, grads) if grad is not None]
     for param, _ in taken:
@@ -154,7 +166,10 @@ class GradientStash:
             self.kept, self.scaled_by = [], None
         else:
             extras = frame.taken + frame.done
-        master_of = {id(param): master for param, master in self.record.master_pairs}
+        if not extras:
+            self._unscale(frame.scaler, inv_scale, flag, True)
+            return
+        master_of = dict(zip(map(id, self.record.models), self.record.masters))
         for param, grad in extras:  # already unscaled: into the masters first (as apex's order)
             master = master_of.get(id(param))
             if master is not None:
@@ -180,8 +195,8 @@ class GradientStash:
         out of `.grad` and returned as (param, grad), for the enclosing block."""
         record = self.record
         params = record.plain_params()
-        grads = [grad for grad in map(_grad, params) if grad is not None]
-        if not scaler.is_identity and grads:
+        grads = [grad for grad in map(_grad, params) if grad is not None] if params else ()
+        if grads and not scaler.is_identity:
             views = grads
             # C-level checks per gradient (a generator costs a Python frame per parameter).
             if any(map(_is_sparse, grads)) or any(map(torch.is_complex, grads)):
@@ -189,40 +204,105 @@ class GradientStash:
             if record.sharded:
                 views = distributed.local_tensors(views)
             kernels.unscale_(views, inv_scale, flag.tensor)
-        handed = [] if into_masters else _take(params)
-        fresh_sources, fresh, add_sources, add_to, later = [], [], [], [], []
-        for model_param, master in record.master_pairs:
-            grad = model_param.grad
-            if grad is None:
-                continue
-            model_param.grad = None
-            if grad.is_sparse:
-                grad = grad.coalesce()
-                values = torch.empty_like(grad._values(), dtype=torch.float32)
-                kernels.unscale_to_([grad._values()], [values], inv_scale, flag.tensor)
-                unscaled = torch.sparse_coo_tensor(
-                    grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False
-                )
-                if into_masters:
-                    add_to_master_grad(master, unscaled)
-                else:
-                    handed.append((model_param, unscaled))
-            elif into_masters and master.grad is not None and not master.grad.is_sparse:
-                add_sources.append(grad)
-                add_to.append(master.grad)
-            else:
-                destination = torch.empty_like(master)
-                fresh_sources.append(grad)
-                fresh.append(destination)
-                if not into_masters:
-                    handed.append((model_param, destination))
-                else:
-                    later.append((master, destination))
-        kernels.unscale_to_(fresh_sources, fresh, inv_scale, flag.tensor, check=False)
-        kernels.unscale_add_(add_sources, add_to, inv_scale, flag.tensor, check=False)
-        for master, grad in later:
-            add_to_master_grad(master, grad)
+        handed = [] if into_masters or not params else _take(params)
+        if record.master_pairs:
+            _unscale_model_grads(record, inv_scale, flag.tensor, into_masters, handed)
         return handed
+
+
+# Model gradients are unscaled into new FP32 gradients this many elements at a time, and each
+# slice's low-precision gradients freed before the next: both sets are never alive in full
+# together (O2's peak memory at scale_loss's exit). One slice for a small model.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _chunks(tensors):
+    """[(start, stop)] of consecutive runs of `tensors` holding about CHUNK_ELEMENTS elements."""
+    ends = list(itertools.accumulate(map(_numel, tensors)))
+    count = len(ends)
+    if ends[-1] <= CHUNK_ELEMENTS:
+        return ((0, count),)
+    chunks, start = [], 0
+    while start < count:
+        base = ends[start - 1] if start else 0
+        stop = max(bisect.bisect_right(ends, base + CHUNK_ELEMENTS), start + 1)
+        chunks.append((start, stop))
+        start = stop
+    return chunks
+
+
+def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
+    """O2: the model gradients, unscaled and checked, into FP32 gradients: the master gradients
+    (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. The
+    model's gradients are dropped."""
+    models, masters = record.models, record.masters
+    grads = list(map(_grad, models))
+    # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
+    present = list(map(operator.is_not, grads, _NONES))
+    if not all(present):
+        if not any(present):
+            return
+        models = list(itertools.compress(models, present))  # parameters that had no gradient
+        masters = list(itertools.compress(masters, present))  # (unused in this backward)
+        grads = list(itertools.compress(grads, present))
+    set_each(models, "grad", _NONES)
+    if any(map(_is_sparse, grads)):
+        _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
+        return
+    master_grads = list(map(_grad, masters)) if into_masters else [None]
+    if all(map(operator.is_, master_grads, _NONES)):
+        adding = False
+    elif any(map(operator.is_, master_grads, _NONES)) or any(map(_is_sparse, master_grads)):
+        _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
+        return
+    else:
+        adding = True
+    for start, stop in _chunks(grads):
+        sources = grads[start:stop]
+        grads[start:stop] = itertools.repeat(None, stop - start)  # `sources` holds them now
+        if adding:
+            added_to = master_grads[start:stop]
+            kernels.unscale_add_(sources, added_to, inv_scale, found_inf, check=False)
+        else:
+            fresh = list(map(torch.empty_like, masters[start:stop]))
+            kernels.unscale_to_(sources, fresh, inv_scale, found_inf, check=False)
+            if into_masters:
+                set_each(masters[start:stop], "grad", fresh)
+            else:
+                handed.extend(zip(models[start:stop], fresh))
+        sources = None  # the last reference: this slice's low-precision gradients are freed
+
+
+def _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed):
+    """_unscale_model_grads for a mix of sparse and dense gradients, or of master gradients."""
+    fresh_sources, fresh, add_sources, add_to, later = [], [], [], [], []
+    for model_param, master, grad in zip(models, masters, grads):
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            values = torch.empty_like(grad._values(), dtype=torch.float32)
+            kernels.unscale_to_([grad._values()], [values], inv_scale, found_inf)
+            unscaled = torch.sparse_coo_tensor(
+                grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False
+            )
+            if into_masters:
+                add_to_master_grad(master, unscaled)
+            else:
+                handed.append((model_param, unscaled))
+        elif into_masters and master.grad is not None and not master.grad.is_sparse:
+            add_sources.append(grad)
+            add_to.append(master.grad)
+        else:
+            destination = torch.empty_like(master)
+            fresh_sources.append(grad)
+            fresh.append(destination)
+            if not into_masters:
+                handed.append((model_param, destination))
+            else:
+                later.append((master, destination))
+    kernels.unscale_to_(fresh_sources, fresh, inv_scale, found_inf, check=False)
+    kernels.unscale_add_(add_sources, add_to, inv_scale, found_inf, check=False)
+    for master, grad in later:
+        add_to_master_grad(master, grad)
 
 
 def add_to_master_grad(master, grad):

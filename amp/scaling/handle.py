@@ -1,8 +1,5 @@
 """scale_loss: scale a loss for backward, then unscale, check and (on overflow) skip."""
 
-import contextlib
-
-
 from .._state import amp_state
 from ..compat.optimizer_wrappers import is_optimizer_like
 from . import nonfinite_loss
@@ -10,6 +7,17 @@ from .scaler import OverflowFlag
 
 
 def _records(optimizers):
+    # The usual call, one optimizer amp instrumented, costs one dict lookup.
+    try:
+        record = optimizers.__dict__.get("_amp_record")
+    except AttributeError:  # a list or tuple of optimizers
+        record = None
+    if record is not None:
+        return (record,)
+    return _checked_records(optimizers)
+
+
+def _checked_records(optimizers):
     if is_optimizer_like(optimizers):
         optimizers = [optimizers]
     elif not isinstance(optimizers, (list, tuple)):
@@ -37,7 +45,6 @@ def _records(optimizers):
     return records
 
 
-@contextlib.contextmanager
 def scale_loss(
     loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False
 ):
@@ -69,68 +76,115 @@ def scale_loss(
 
     .. note:: The overflow flag stays on the device; the only host sync is at ``step()``.
     """
-    if not amp_state.initialized:
-        raise RuntimeError(
-            "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
-            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
-            "before `with amp.scale_loss`."
-        )
-    if not amp_state.enabled:
-        yield loss
-        return
-    records = _records(optimizers)
-    if (
-        isinstance(loss_id, bool)
-        or not isinstance(loss_id, int)
-        or not (0 <= loss_id < len(amp_state.loss_scalers))
-    ):
-        raise ValueError(
-            f"amp.scale_loss: loss_id={loss_id!r} is out of range; amp.initialize was called "
-            f"with num_losses={len(amp_state.loss_scalers)}, so use 0 to "
-            f"{len(amp_state.loss_scalers) - 1}."
-        )
-    scaler = amp_state.loss_scalers[loss_id]
-    for record in records:
-        theirs = record.stash.conflict(scaler, delay_unscale)
-        if theirs is not None:
-            raise RuntimeError(
-                f"amp.scale_loss(loss_id={loss_id}): the gradients of this optimizer are scaled "
-                f"by loss scaler {amp_state.loss_scalers.index(theirs)} (an enclosing block, or "
-                "a block with delay_unscale=True), and the sum of gradients scaled by two "
-                "different scales cannot be unscaled. Accumulate with one loss_id, or unscale "
-                "(a block with delay_unscale=False) before changing it."
-            )
-    # The forward pass is over. Autograd keeps the weight casts its backward needs and frees each
-    # as soon as it has been used; the cache holding them all through backward would only raise
-    # the peak memory (and slow the backward's allocations).
-    amp_state.cast_cache.clear()
-    loss_ok = nonfinite_loss.check(
-        loss, scaler.dynamic and not (delay_unscale or delay_overflow_check)
+    return _ScaleLoss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
+
+
+class _ScaleLoss:
+    """The block of one scale_loss. A class rather than a generator context manager: it runs
+    every step, and contextlib's machinery costs four Python calls more."""
+
+    __slots__ = (
+        "loss",
+        "optimizers",
+        "loss_id",
+        "delay_unscale",
+        "delay_overflow_check",
+        "records",
+        "scaler",
+        "loss_ok",
     )
-    entered = []
-    try:
+
+    def __init__(self, loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
+        self.loss = loss
+        self.optimizers = optimizers
+        self.loss_id = loss_id
+        self.delay_unscale = delay_unscale
+        self.delay_overflow_check = delay_overflow_check
+        self.records = None  # None: amp is disabled, the loss goes through as it is
+
+    def __enter__(self):
+        if not amp_state.initialized:
+            raise RuntimeError(
+                "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+                "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be "
+                "called before `with amp.scale_loss`."
+            )
+        if not amp_state.enabled:
+            return self.loss
+        records = _records(self.optimizers)
+        loss_id = self.loss_id
+        scalers = amp_state.loss_scalers
+        if not (
+            (type(loss_id) is int or (isinstance(loss_id, int) and not isinstance(loss_id, bool)))
+            and 0 <= loss_id < len(scalers)
+        ):
+            raise ValueError(
+                f"amp.scale_loss: loss_id={loss_id!r} is out of range; amp.initialize was called "
+                f"with num_losses={len(scalers)}, so use 0 to {len(scalers) - 1}."
+            )
+        scaler = scalers[loss_id]
+        delay_unscale = self.delay_unscale
+        for record in records:
+            theirs = record.stash.conflict(scaler, delay_unscale)
+            if theirs is not None:
+                raise RuntimeError(
+                    f"amp.scale_loss(loss_id={loss_id}): the gradients of this optimizer are "
+                    f"scaled by loss scaler {scalers.index(theirs)} (an enclosing block, or a "
+                    "block with delay_unscale=True), and the sum of gradients scaled by two "
+                    "different scales cannot be unscaled. Accumulate with one loss_id, or "
+                    "unscale (a block with delay_unscale=False) before changing it."
+                )
+        # The forward pass is over. Autograd keeps the weight casts its backward needs and frees
+        # each as soon as it has been used; the cache holding them all through backward would
+        # only raise the peak memory (and slow the backward's allocations).
+        amp_state.cast_cache.clear()
+        self.loss_ok = nonfinite_loss.check(
+            self.loss,
+            scaler.dynamic and not (delay_unscale or self.delay_overflow_check),
+        )
+        entered = []
         try:
             for record in records:
                 record.stash.enter(scaler, delay_unscale)
                 entered.append(record)
-            yield scaler.scale(loss)
+            scaled = scaler.scale(self.loss)
         except BaseException:
             for record in entered:
                 record.stash.discard()
+            amp_state.cast_cache.clear()
             raise
+        self.records, self.scaler = records, scaler
+        return scaled
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        records = self.records
+        if records is None:
+            return False
+        self.records = None  # a block is left once
+        try:
+            if exc_type is not None:
+                for record in records:
+                    record.stash.discard()
+                return False
+            self._commit(records, self.scaler)
+        finally:
+            amp_state.cast_cache.clear()
+        return False
+
+    def _commit(self, records, scaler):
+        delay_unscale = self.delay_unscale
+        loss = self.loss
         flag = None if delay_unscale else OverflowFlag(loss.device)
         for record in records:
             record.stash.commit(flag)
         if not delay_unscale:
             scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
-        if delay_unscale or not scaler.dynamic or delay_overflow_check:
+        if delay_unscale or not scaler.dynamic or self.delay_overflow_check:
             return
         # Every rank takes the same skip decision, even when only one saw the overflow.
-        loss_ok = nonfinite_loss.agree(flag, loss_ok)
+        loss_ok = nonfinite_loss.agree(flag, self.loss_ok)
         for record in amp_state.optimizers:  # blocks still open keep the scale they used
             record.stash.freeze_scale(scaler, flag.tensor.device)
         nonfinite_loss.update(scaler, flag, loss_ok)
         for record in records:
-            record.skips.add(loss_id, flag, loss_ok)
-    finally:
-        amp_state.cast_cache.clear()
+            record.skips.add(self.loss_id, flag, loss_ok)

@@ -1,11 +1,19 @@
 """O2 master weights: the FP32 copies an optimizer steps in place of the model's low-precision
 parameters, kept in step with the model both ways."""
 
+import itertools
+import operator
+
 import torch
 
 from .._state import amp_state
 from ..compat import distributed
 from ..scaling.grad_stash import add_to_master_grad
+from .shadows import mark_params, sync_params
+
+_grad = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_NONES = itertools.repeat(None)
 
 
 def new_master(param):
@@ -36,19 +44,35 @@ class MasterWeights:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.master_pairs = []  # (model parameter, FP32 master) for O2
+        self.models, self.masters = [], []  # the same pairs as two parallel lists
+        self._shadows = None  # the model parameters' shadows, once all are known
         self._plain_cache = (None, [])
         self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
 
     def add_master(self, param, master):
         self.master_pairs.append((param, master))
+        self.models.append(param)
+        self.masters.append(master)
+        self._shadows = None
         amp_state.masters[id(param)] = master
+
+    def shadows(self):
+        """The shadows of the model parameters (shadows.py), in pair order.
+
+        Looked up once: amp.initialize registers them after the masters are made.
+        """
+        shadows = self._shadows
+        if shadows is None:
+            shadows = [amp_state.shadows.get(id(param)) for param in self.models]
+            if None in shadows:  # not all registered yet (or a model not cast): look up again
+                return [shadow for shadow in shadows if shadow is not None]
+            self._shadows = shadows
+        return shadows
 
     def remember_versions(self):
         """amp (or a state-dict load) just wrote the model parameters from their masters."""
-        for model_param, _ in self.master_pairs:
-            shadow = amp_state.shadows.get(id(model_param))
-            if shadow is not None:
-                shadow.mark()
+        if self.models:
+            mark_params(self._shadows or self.shadows())
 
     def follow_external_writes(self):
         """Bring masters and model parameters in step after writes from outside amp.
@@ -56,15 +80,15 @@ class MasterWeights:
         DataParallel's broadcast or a `param.copy_(...)` change the model after the masters were
         made; a write through `model.state_dict()` changes the master. See shadows.Shadow.sync.
         """
-        for model_param, _ in self.master_pairs:
-            shadow = amp_state.shadows.get(id(model_param))
-            if shadow is not None:
-                shadow.sync()
+        if self.models:
+            sync_params(self._shadows or self.shadows())
 
     def fold_outside_gradients(self):
         """Gradients of model parameters made by a backward outside scale_loss are unscaled:
         they join the master gradients (apex dropped them; without this O2 would not step)."""
-        for model_param, master in self.master_pairs:
+        if not self.models or all(map(operator.is_, map(_grad, self.models), _NONES)):
+            return  # the usual case: scale_loss took them
+        for model_param, master in zip(self.models, self.masters):
             grad = model_param.grad
             if grad is not None:
                 add_to_master_grad(master, grad.float())
@@ -74,12 +98,12 @@ class MasterWeights:
         """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
         if not self.master_pairs:
             return self.plain_params()
-        return self.plain_params() + [model_param for model_param, _ in self.master_pairs]
+        return self.plain_params() + self.models
 
     def plain_params(self):
         """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
         groups = self.optimizer.param_groups
-        signature = tuple(len(group["params"]) for group in groups)
+        signature = tuple(map(len, map(_PARAMS, groups)))
         cached_signature, params = self._plain_cache
         if signature != cached_signature:
             masters = {id(master) for _, master in self.master_pairs}
@@ -113,6 +137,7 @@ class MasterWeights:
             if model_param.dtype is torch.float32:
                 model_param.grad = master.grad
             amp_state.masters.pop(id(model_param), None)
-        self.master_pairs = []
+        self.master_pairs, self.models, self.masters = [], [], []
+        self._shadows = None
         self.forget_param_groups()
 

@@ -7,16 +7,16 @@ add_param_group.
 """
 
 import functools
+import itertools
 import types
 
 import torch
 
 from .. import kernels
 from .._state import amp_state
-from ..casting.autocast import policy_scope
 from ..compat import distributed
 from ..compat.optimizer_wrappers import require_optimizer_like
-from ..scaling.grad_stash import GradientStash
+from ..scaling.grad_stash import GradientStash, set_each
 from ..scaling.skip import SkipDecision
 from . import optimizer_state
 from .masters import MasterWeights, match_state_to_params, new_master
@@ -58,8 +58,7 @@ class OptimizerRecord(MasterWeights):
     # -- step ---------------------------------------------------------------------------------
 
     def step(self, *args, **kwargs):
-        closure = kwargs.get("closure", args[0] if args else None)
-        if closure is not None:
+        if (args or kwargs) and kwargs.get("closure", args[0] if args else None) is not None:
             raise RuntimeError(
                 "Currently, Amp does not support closure use with optimizers. Call backward "
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
@@ -84,16 +83,26 @@ class OptimizerRecord(MasterWeights):
             return None
         self.follow_external_writes()  # a write to the model since backward (a mask) is kept
         self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
-        with policy_scope(None):  # optimizer arithmetic is never cast
+        # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
+        # runs every step, and a generator context manager costs six Python calls).
+        thread = amp_state.thread
+        saved = thread.policy
+        thread.policy = None
+        try:
             result = self.originals["step"]()
+        finally:
+            thread.policy = saved
         if self.master_pairs:
-            models = [model_param for model_param, _ in self.master_pairs]
-            masters = [master for _, master in self.master_pairs]
-            with torch.no_grad():
-                kernels.copy_(masters, models, check=False)
+            # torch.no_grad(), without its eight Python calls per step.
+            grad_enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                kernels.copy_(self.masters, self.models, check=False)
+            finally:
+                torch._C._set_grad_enabled(grad_enabled)
             self.remember_versions()
-            for master in masters:
-                master.grad = None  # no model.zero_grad() reaches these (apex did the same)
+            # No model.zero_grad() reaches these (apex did the same).
+            set_each(self.masters, "grad", itertools.repeat(None))
         amp_state.cast_cache.clear()  # the weights changed
         return result
 
@@ -108,13 +117,13 @@ class OptimizerRecord(MasterWeights):
     def zero_grad(self, *args, **kwargs):
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
-        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-        for model_param, _ in self.master_pairs:
-            if set_to_none:
-                model_param.grad = None
-            elif model_param.grad is not None:
-                model_param.grad.detach_()
-                model_param.grad.zero_()
+        if not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True):
+            set_each(self.models, "grad", itertools.repeat(None))
+        else:
+            for model_param in self.models:
+                if model_param.grad is not None:
+                    model_param.grad.detach_()
+                    model_param.grad.zero_()
         self.stash.reset()
         self.skips.clear()
 
@@ -152,11 +161,13 @@ def _delegate(name):
     """The method amp puts on an optimizer instance: amp's record does the work, or the
     optimizer's own class once amp.deinitialize() ran (or on a copy, which has no record)."""
 
+    of_record = getattr(OptimizerRecord, name)
+
     def method(self, *args, **kwargs):
-        record = vars(self).get("_amp_record")
+        record = self.__dict__.get("_amp_record")
         if record is None:
             return getattr(type(self), name)(self, *args, **kwargs)
-        return getattr(record, name)(*args, **kwargs)
+        return of_record(record, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
     return method

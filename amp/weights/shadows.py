@@ -15,9 +15,23 @@ The shadows live in the hooks amp registers on the model (picklable module-level
 deepcopy or a pickle of the model carries its own shadows along.
 """
 
+import operator
+
 import torch
 
 from ..casting.casts import LOW_PRECISION
+from ..scaling.grad_stash import set_each
+
+# The per-step checks below read these over whole lists at C level (`map`), so an O2 step costs
+# a constant number of Python calls however many parameters the model has.
+_LOW = operator.attrgetter("low")
+_LOW_VERSION = operator.attrgetter("low_version")
+_FP32 = operator.attrgetter("fp32")
+_FP32_VERSION = operator.attrgetter("fp32_version")
+_NAME = operator.attrgetter("name")
+_PARAMETERS = operator.attrgetter("module._parameters")
+_VERSION = operator.attrgetter("_version")
+_SHAPE = operator.attrgetter("shape")
 
 
 class Shadow:
@@ -65,6 +79,51 @@ class Shadow:
                 changed = low != self.fp32.to(low.dtype)
                 self.fp32.copy_(torch.where(changed, low.float(), self.fp32))
         self.mark()
+
+
+def sync_params(shadows):
+    """Shadow.sync for every parameter shadow in `shadows` written on either side since amp
+    last synced or marked it.
+
+    The common answer, none, comes from comparing whole lists of tensors and version counters at
+    C level; only a shadow found changed is looked at on its own.
+    """
+    currents = list(map(dict.get, map(_PARAMETERS, shadows), map(_NAME, shadows)))
+    lows = list(map(_LOW, shadows))
+    fp32s = list(map(_FP32, shadows))
+    try:
+        if (
+            all(map(operator.is_, currents, lows))
+            and list(map(_VERSION, lows)) == list(map(_LOW_VERSION, shadows))
+            and list(map(_VERSION, fp32s)) == list(map(_FP32_VERSION, shadows))
+            and list(map(_SHAPE, lows)) == list(map(_SHAPE, fp32s))  # `param.data = ...`
+        ):
+            return
+    except AttributeError:  # a parameter removed (None): looked at below
+        pass
+    for shadow, current in zip(shadows, currents):
+        if (
+            current is None
+            or current is not shadow.low
+            or current._version != shadow.low_version
+            or shadow.fp32._version != shadow.fp32_version
+            or current.shape != shadow.fp32.shape
+        ):
+            shadow.sync()
+
+
+def mark_params(shadows):
+    """Shadow.mark for every parameter shadow in `shadows` (amp wrote one side from the other)."""
+    currents = list(map(dict.get, map(_PARAMETERS, shadows), map(_NAME, shadows)))
+    try:
+        low_versions = list(map(_VERSION, currents))
+    except AttributeError:  # a parameter removed (None)
+        for shadow in shadows:
+            shadow.mark()
+        return
+    set_each(shadows, "low", currents)
+    set_each(shadows, "low_version", low_versions)
+    set_each(shadows, "fp32_version", list(map(_VERSION, map(_FP32, shadows))))
 
 
 class ModelShadows:
