@@ -7,10 +7,12 @@ float32, and rounded once into the destination's dtype.
 """
 
 import math
+import operator
 
 import torch
 
 _unscale_op = torch._amp_foreach_non_finite_check_and_unscale_
+_dtype = operator.attrgetter("dtype")  # read at C level: the step's path stays O(1) Python calls
 _PIECE = 1 << 20  # elements: a float64 copy of a piece is 8 MiB
 # A float32 sum of squares of at least 2**-100 has lost at most n * 2**-150 to subnormal squares.
 _SMALL_NORM = 2.0**-50
@@ -61,7 +63,8 @@ def unscale_to_(sources, destinations, inv_scale, found_inf):
     """
     if not sources:
         return
-    if all(d.dtype in (torch.float32, s.dtype) for s, d in zip(sources, destinations)):
+    pairs = set(zip(map(_dtype, sources), map(_dtype, destinations)))
+    if all(dst in (torch.float32, src) for src, dst in pairs):
         # The copy is exact, so unscaling the destinations in place rounds once, with no copy.
         torch._foreach_copy_(destinations, sources)
         unscale_(destinations, inv_scale, found_inf)
@@ -75,7 +78,7 @@ def unscale_add_(sources, destinations, inv_scale, found_inf):
     if not sources:
         return
     scaled = _unscaled_float32(sources, inv_scale, found_inf)
-    if all(destination.dtype is torch.float32 for destination in destinations):
+    if set(map(_dtype, destinations)) == {torch.float32}:
         torch._foreach_add_(destinations, scaled)
         return
     torch._foreach_add_(scaled, destinations)  # float32 += destination, exactly converted
