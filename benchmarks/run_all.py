@@ -2,7 +2,8 @@
 
     python benchmarks/run_all.py            # or: make benchmark
     python benchmarks/run_all.py --quick    # fewer rounds and steps (a smoke run)
-    python benchmarks/run_all.py --tiny     # also GPT-2 / ResNet-50 at CI sizes on a CPU
+    python benchmarks/run_all.py --tiny     # CI sizes: GPT-2 / ResNet-50 code and the memory
+                                            # transformer small enough for a CPU smoke run
 
 Rows (a ratio below 1.00 means amp is faster):
   O1 transformer step      amp O1 (and amp.autocast + amp.GradScaler) / torch.autocast +
@@ -100,16 +101,17 @@ def per_call(device, dtype):
 
 def ran_on(device, tiny):
     """The line that says what this run measured here and what needs a GPU."""
+    sizes = " Models at CI sizes (--tiny): a smoke run, not figures." if tiny else ""
     if device == "cuda":
         return (
             "Ran on CUDA: every row above, float16 and bfloat16, the CuPy kernels, "
-            "GPT-2 small and ResNet-50 end to end."
+            "GPT-2 small and ResNet-50 end to end." + sizes
         )
-    end = "GPT-2 and ResNet-50 code at CI sizes (--tiny)" if tiny else "no GPT-2 / ResNet-50 rows"
     return (
-        "Ran on the CPU: bfloat16 only, the kernels' torch backend, " + end + ". "
-        "Needs CUDA: float16 rows, the CuPy kernels and bandwidth, GPT-2 small (124M, 1024 "
-        "tokens) and ResNet-50 end to end with tokens/s and images/s."
+        "Ran on the CPU: bfloat16 only, the kernels' torch backend"
+        + (", GPT-2 / ResNet-50 code" if tiny else ", no GPT-2 / ResNet-50 rows")
+        + ". Needs CUDA: float16 rows, the CuPy kernels and bandwidth, GPT-2 small (124M, "
+        "1024 tokens) and ResNet-50 end to end with tokens/s and images/s." + sizes
     )
 
 
@@ -127,9 +129,10 @@ def _costs(row):
     return ", ".join(cells)
 
 
-def step_cost_rows(device, dtype, quick):
+def step_cost_rows(device, dtype, quick, tiny):
     rows = []
-    results = step_costs.main(["--device", device, "--dtype", dtype] + ["--quick"] * quick)
+    options = ["--device", device, "--dtype", dtype] + ["--quick"] * quick + ["--tiny"] * tiny
+    results = step_costs.main(options)
     for workload, table in results.items():
         reference = next(r for r in table if r["variant"] == "torch.autocast")
         for row in table:
@@ -173,7 +176,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     parser.add_argument(
-        "--tiny", action="store_true", help="GPT-2 / ResNet-50 at CI sizes (without a GPU)"
+        "--tiny", action="store_true", help="models at CI sizes (GPT-2 / ResNet-50 code on a CPU)"
     )
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,9 +229,9 @@ def main(argv=None):
         summary.append(entry)
 
     for dtype in dtypes:
-        summary += step_cost_rows(device, dtype, args.quick)
+        summary += step_cost_rows(device, dtype, args.quick, args.tiny)
     if device == "cuda" or args.tiny:
-        summary += end_to_end_rows(device, args.quick, tiny=device != "cuda")
+        summary += end_to_end_rows(device, args.quick, args.tiny)
 
     print_table(
         f"summary on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} "

@@ -1,7 +1,7 @@
 """Python calls and peak memory of one training step, every precision variant side by side.
 
     python benchmarks/step_costs.py [--dtype bfloat16|float16] [--device cpu|cuda] [--quick]
-                                    [--optimizer default|foreach|fused]
+                                    [--tiny] [--optimizer default|foreach|fused]
 
 Variants (variants.py): fp32, torch.autocast + torch.amp.GradScaler (the reference), amp O1,
 amp.autocast + amp.GradScaler, amp O2, amp O3, and a model in `dtype` stepped by torch's fused /
@@ -9,9 +9,11 @@ foreach AdamW on FP32 masters ("manual O2"). Every variant trains a fresh copy o
 on the same data with AdamW. Workloads (workloads.py):
   calls    the host-bound transformer (width 16, batch 2 x 8) at depth 1, 4 and 16, and the CNN:
            cProfile's total_calls of one step after two warm-up steps
-  memory   the 4-layer width-512 transformer at 128 and 512 tokens (--quick: 128 only), and the
-           CNN: bytes live when the step starts and their peak during it (measure.py), after one
-           warm-up step on a batch of 2
+  memory   the 4-layer width-512 transformer at 128 and 512 tokens (--quick: 128 only; --tiny:
+           width 64, a smoke run), and the CNN: bytes live when the step starts and their peak
+           during it (measure.py), after one warm-up step on a batch of 2. "At step start"
+           includes the previous step's gradients where a variant frees them only at the next
+           zero_grad(set_to_none=True).
 Ratios are to torch.autocast (below 1.00: fewer calls, less memory). Figures are counts, not
 times: they do not move with the load of the machine.
 """
@@ -62,7 +64,7 @@ def _ratio(values, name):
 
 
 def rows(workload, names, counted, measured):
-    """One row per variant: its calls, peak and between-steps bytes, and the ratios."""
+    """One row per variant: its calls, peak bytes and bytes at the step's start, and ratios."""
     table = []
     for name in names:
         row = {"workload": workload, "variant": name}
@@ -74,7 +76,7 @@ def rows(workload, names, counted, measured):
             peaks = {n: p for n, (_, p) in measured.items()}
             row["peak MiB"] = peak / MIB
             row["peak / torch.autocast"] = _ratio(peaks, name)
-            row["between steps MiB"] = before / MIB
+            row["at step start MiB"] = before / MIB
         table.append(row)
     return table
 
@@ -85,7 +87,7 @@ COLUMNS = [
     "calls / torch.autocast",
     "peak MiB",
     "peak / torch.autocast",
-    "between steps MiB",
+    "at step start MiB",
 ]
 
 
@@ -96,6 +98,7 @@ def main(argv=None):
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument("--quick", action="store_true", help="memory at 128 tokens only")
+    parser.add_argument("--tiny", action="store_true", help="the memory transformer at width 64")
     parser.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default")
     parser.add_argument("--variants", nargs="+", choices=variants.VARIANTS, default=None)
     args = parser.parse_args(argv)
@@ -103,7 +106,8 @@ def main(argv=None):
     names = args.variants or list(variants.VARIANTS)
     plan = [(workloads.host_bound_transformer(depth), True, False) for depth in (1, 4, 16)]
     lengths = (128,) if args.quick else (128, 512)
-    plan += [(workloads.memory_transformer(length), False, True) for length in lengths]
+    width = 64 if args.tiny else 512
+    plan += [(workloads.memory_transformer(length, width), False, True) for length in lengths]
     plan.append((workloads.SMALL_CNN, True, True))
     results = {}
     for workload, count, weigh in plan:

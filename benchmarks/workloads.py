@@ -1,9 +1,9 @@
 """The models and data the step benchmarks train, by name; each builds a fresh, seeded FP32 model.
 
-  transformer-w16-dN   models.Encoder, width 16, 4 heads, vocab 256, N layers, batch 2 x 8 tokens:
-                       a host-bound step (the Python-calls workloads, depth 1, 4 and 16)
-  transformer-w512-sL  models.Encoder, 4 layers, width 512, 8 heads, vocab 1024, batch 8 x L
-                       tokens (the memory workloads, L = 128 and 512)
+  transformer-w16-dN-s8     models.Encoder, width 16, 4 heads, vocab 256, N layers, batch 2 x 8
+                            tokens: a host-bound step (the Python-calls workloads, N = 1, 4, 16)
+  transformer-w512-d4-sL    models.Encoder, 4 layers, width 512, 8 heads, vocab 1024, batch 8 x L
+                            tokens (the memory workloads, L = 128 and 512; width 64 at CI sizes)
   cnn                  models.ResNet at width 16, one bottleneck per stage, 10 classes, batch 32
                        of 3x64x64 images
   gpt2                 GPT-2 small (124M), batch 8 x 1024 tokens
@@ -86,8 +86,8 @@ def host_bound_transformer(depth):
     return transformer(width=16, layers=depth, length=8, batch=2, vocab=256, heads=4)
 
 
-def memory_transformer(length):
-    return transformer(width=512, layers=4, length=length, batch=8, vocab=1024, heads=8)
+def memory_transformer(length, width=512):
+    return transformer(width=width, layers=4, length=length, batch=8, vocab=1024, heads=8)
 
 
 SMALL_CNN = cnn(16, (1, 1, 1, 1), side=64, batch=32, classes=10, name="cnn")
