@@ -152,7 +152,8 @@ def step_cost_rows(device, dtype, quick, tiny):
 
 
 def end_to_end_rows(device, quick, tiny):
-    options = ["--device", device] + (["--steps", "5", "--warmup", "2"] if quick else [])
+    steps = ["--steps", "2", "--warmup", "1"] if tiny else ["--steps", "5", "--warmup", "2"]
+    options = ["--device", device] + (steps if quick else [])
     rows = []
     for (model, dtype), table in end_to_end.main(options + ["--tiny"] * tiny).items():
         reference = next(r for r in table if r["variant"] == "torch.autocast")

@@ -9,9 +9,10 @@ foreach AdamW on FP32 masters ("manual O2"). Every variant trains a fresh copy o
 on the same data with AdamW. Workloads (workloads.py):
   calls    the host-bound transformer (width 16, batch 2 x 8) at depth 1, 4 and 16, and the CNN:
            cProfile's total_calls of one step after two warm-up steps
-  memory   the 4-layer width-512 transformer at 128 and 512 tokens (--quick: 128 only; --tiny:
-           width 64, a smoke run), and the CNN: bytes live when the step starts and their peak
-           during it (measure.py), after one warm-up step on a batch of 2. "At step start"
+  memory   the 4-layer width-512 transformer at 128 and 512 tokens (--quick: 128 only), and the
+           CNN: bytes live when the step starts and their peak during it (measure.py), after one
+           warm-up step on a batch of 2. --tiny (a smoke run): the transformer at width 64 and 32
+           tokens, the CNN at CI size. "At step start"
            includes the previous step's gradients where a variant frees them only at the next
            zero_grad(set_to_none=True).
 Ratios are to torch.autocast (below 1.00: fewer calls, less memory). Figures are counts, not
@@ -58,25 +59,21 @@ def memory(workload, names, dtype, device, optimizer):
     return found
 
 
-def _ratio(values, name):
-    reference = values.get(variants.REFERENCE)
-    return values[name] / reference if reference else None
-
-
 def rows(workload, names, counted, measured):
-    """One row per variant: its calls, peak bytes and bytes at the step's start, and ratios."""
+    """One row per variant: its calls, peak bytes and bytes at the step's start, and the ratios
+    to torch.autocast's (when it ran)."""
+    peaks = {name: peak for name, (_, peak) in measured.items()}
     table = []
     for name in names:
         row = {"workload": workload, "variant": name}
         if name in counted:
             row["calls"] = counted[name]
-            row["calls / torch.autocast"] = _ratio(counted, name)
         if name in measured:
-            before, peak = measured[name]
-            peaks = {n: p for n, (_, p) in measured.items()}
-            row["peak MiB"] = peak / MIB
-            row["peak / torch.autocast"] = _ratio(peaks, name)
-            row["at step start MiB"] = before / MIB
+            row["peak MiB"] = peaks[name] / MIB
+            row["at step start MiB"] = measured[name][0] / MIB
+        for column, values in (("calls", counted), ("peak", peaks)):
+            if name in values and variants.REFERENCE in values:
+                row[f"{column} / torch.autocast"] = values[name] / values[variants.REFERENCE]
         table.append(row)
     return table
 
@@ -98,17 +95,19 @@ def main(argv=None):
         "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     parser.add_argument("--quick", action="store_true", help="memory at 128 tokens only")
-    parser.add_argument("--tiny", action="store_true", help="the memory transformer at width 64")
+    parser.add_argument("--tiny", action="store_true", help="memory workloads at CI sizes")
     parser.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default")
     parser.add_argument("--variants", nargs="+", choices=variants.VARIANTS, default=None)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     names = args.variants or list(variants.VARIANTS)
     plan = [(workloads.host_bound_transformer(depth), True, False) for depth in (1, 4, 16)]
-    lengths = (128,) if args.quick else (128, 512)
-    width = 64 if args.tiny else 512
-    plan += [(workloads.memory_transformer(length, width), False, True) for length in lengths]
-    plan.append((workloads.SMALL_CNN, True, True))
+    if args.tiny:
+        plan += [(workloads.memory_transformer(32, width=64), False, True)]
+    else:
+        lengths = (128,) if args.quick else (128, 512)
+        plan += [(workloads.memory_transformer(length), False, True) for length in lengths]
+    plan.append((workloads.TINY_CNN if args.tiny else workloads.SMALL_CNN, True, True))
     results = {}
     for workload, count, weigh in plan:
         counted = calls(workload, names, dtype, args.device, args.optimizer) if count else {}

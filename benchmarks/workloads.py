@@ -4,11 +4,11 @@
                             tokens: a host-bound step (the Python-calls workloads, N = 1, 4, 16)
   transformer-w512-d4-sL    models.Encoder, 4 layers, width 512, 8 heads, vocab 1024, batch 8 x L
                             tokens (the memory workloads, L = 128 and 512; width 64 at CI sizes)
-  cnn                  models.ResNet at width 16, one bottleneck per stage, 10 classes, batch 32
-                       of 3x64x64 images
-  gpt2                 GPT-2 small (124M), batch 8 x 1024 tokens
-  resnet50             ResNet-50, batch 64 of 3x224x224 images, 1000 classes
-  gpt2-tiny, resnet50-tiny   the same code at CI sizes (2 layers of width 32; width 8, 32x32)
+  cnn                       models.ResNet at width 16, one bottleneck per stage, 10 classes,
+                            batch 32 of 3x64x64 images (cnn-tiny: width 8, batch 8 of 32x32)
+  gpt2                      GPT-2 small (124M), batch 8 x 1024 tokens
+  resnet50                  ResNet-50, batch 64 of 3x224x224 images, 1000 classes
+  gpt2-tiny, resnet50-tiny  the same code at CI sizes (2 layers of width 32; width 8, 32x32)
 """
 
 import functools
@@ -91,6 +91,7 @@ def memory_transformer(length, width=512):
 
 
 SMALL_CNN = cnn(16, (1, 1, 1, 1), side=64, batch=32, classes=10, name="cnn")
+TINY_CNN = cnn(8, (1, 1, 1, 1), side=32, batch=8, classes=10, name="cnn-tiny")
 END_TO_END = {
     "gpt2": gpt2(50257, 1024, 768, 12, 12, batch=8, name="gpt2"),
     "resnet50": cnn(64, (3, 4, 6, 3), side=224, batch=64, classes=1000, name="resnet50"),

@@ -23,7 +23,7 @@ def test_run_all_quick_prints_the_summary():
         [sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick", "--tiny"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,  # about 2 CPU-minutes; the shared build machine can stretch that 4x
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("summary on") :]
@@ -34,8 +34,8 @@ def test_run_all_quick_prints_the_summary():
         "kernels",
         "step costs",
         "amp O2, transformer-w16-d16-s8",
-        "amp O3, transformer-w64-d4-s128",
-        "manual O2 fused, cnn",
+        "amp O3, transformer-w64-d4-s32",
+        "manual O2 fused, cnn-tiny",
         "gpt2 (tiny) step",
         "resnet50 (tiny) step",
     ):
