@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import interleaved_rounds, print_table  # noqa: E402
+from models import Encoder  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -36,26 +37,9 @@ VOCAB, HEADS = 256, 4
 SIZES = {"width": 128, "batch": 8, "length": 64, "layers": 2}  # the defaults of the options
 
 
-class TinyTransformer(torch.nn.Module):
-    def __init__(self, width, length, layers):
-        super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, width)
-        self.position = torch.nn.Parameter(torch.randn(length, width) * 0.02)
-        layer = torch.nn.TransformerEncoderLayer(
-            width, HEADS, 4 * width, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, VOCAB)
-        self.mask = torch.nn.Transformer.generate_square_subsequent_mask(length)
-
-    def forward(self, tokens):
-        x = self.embed(tokens) + self.position
-        return self.head(self.blocks(x, mask=self.mask, is_causal=True))
-
-
 def make(device, sizes):
     torch.manual_seed(0)
-    model = TinyTransformer(sizes["width"], sizes["length"], sizes["layers"]).to(device)
+    model = Encoder(VOCAB, sizes["width"], HEADS, sizes["length"], sizes["layers"]).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, optimizer
 

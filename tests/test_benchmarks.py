@@ -1,20 +1,123 @@
-"""The benchmarks run (a smoke run: timing is for benchmarks/, never asserted here)."""
+"""The benchmarks run, and what they count is right (timing is for benchmarks/, never asserted)."""
 
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import end_to_end  # noqa: E402
+import step_costs  # noqa: E402
+import variants  # noqa: E402
+import workloads  # noqa: E402
+from measure import peak_memory, python_calls  # noqa: E402
+
+MIB = 2**20
 
 
 def test_run_all_quick_prints_the_summary():
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick"],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick", "--tiny"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,  # about 2 CPU-minutes; the shared build machine can stretch that 4x
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = result.stdout[result.stdout.index("summary on") :]
-    for row in ("transformer step", "loss scaling + step", "per-call overhead", "kernels"):
+    for row in (
+        "transformer step",
+        "loss scaling + step",
+        "per-call overhead",
+        "kernels",
+        "step costs",
+        "amp O2, transformer-w16-d16-s8",
+        "amp O3, transformer-w64-d4-s32",
+        "manual O2 fused, cnn-tiny",
+        "gpt2 (tiny) step",
+        "resnet50 (tiny) step",
+    ):
         assert row in summary
+    assert "did not train" not in summary
+    assert "Ran on the CPU" in summary.splitlines()[-1]
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "resnet50-tiny"])
+def test_every_variant_trains_the_end_to_end_models(model):
+    workload = workloads.END_TO_END[model]
+    table = end_to_end.run(workload, variants.VARIANTS, torch.bfloat16, "cpu", steps=1, warmup=0)
+    assert [row["variant"] for row in table] == list(variants.VARIANTS)
+    for row in table:
+        assert row["trained"], row["variant"]
+        assert row["calls"] > 100
+    (reference,) = [row for row in table if row["variant"] == "torch.autocast"]
+    assert reference["time / torch.autocast"] == reference["calls / torch.autocast"] == 1.0
+
+
+def test_manual_o2_steps_fp32_masters_and_keeps_batch_norm_fp32():
+    model = workloads.END_TO_END["resnet50-tiny"].build("cpu")
+    trainer = variants.setup("manual O2 fused", model, workloads.loss_fn, torch.bfloat16)
+    assert model.conv1.weight.dtype == torch.bfloat16
+    assert model.bn1.weight.dtype == torch.float32
+    before = model.conv1.weight.detach().clone()
+    trainer.step(*workloads.END_TO_END["resnet50-tiny"].batch("cpu"))
+    assert not torch.equal(before, model.conv1.weight)
+    assert all(p.grad is None for p in model.parameters())  # freed once copied to the masters
+
+
+class _Allocates:
+    """A trainer that holds 3 MiB and whose step holds 1 MiB and then 0.5 MiB more."""
+
+    model = None
+
+    def __init__(self):
+        self.kept = torch.ones(3 * MIB, dtype=torch.uint8)
+
+    def step(self, inputs, targets):
+        first = torch.ones(MIB, dtype=torch.uint8)
+        second = torch.ones(MIB // 2, dtype=torch.uint8)
+        del first, second
+        return None
+
+    def close(self):
+        pass
+
+
+def test_peak_memory_counts_the_allocators_bytes_on_cpu():
+    no_data = lambda: (None, None)  # noqa: E731
+    before, peak = peak_memory(_Allocates, no_data, no_data, "cpu")
+    assert before == 3 * MIB
+    assert peak == before + MIB + MIB // 2
+
+
+def test_python_calls_counts_each_call_of_one_step():
+    class Calls:
+        def __init__(self, count):
+            self.count = count
+
+        def step(self, inputs, targets):
+            for _ in range(self.count):
+                abs(inputs)
+
+    assert python_calls(Calls(10), (1, None)) - python_calls(Calls(0), (1, None)) == 10
+
+
+def test_step_costs_count_and_weigh_every_variant():
+    workload = workloads.host_bound_transformer(1)
+    names = list(variants.VARIANTS)
+    counted = step_costs.calls(workload, names, torch.bfloat16, "cpu", "default")
+    measured = step_costs.memory(workload, names, torch.bfloat16, "cpu", "default")
+    rows = step_costs.rows(workload.name, names, counted, measured)
+    assert [row["variant"] for row in rows] == names
+    assert rows[names.index("torch.autocast")]["peak / torch.autocast"] == 1.0
+    for name in names:
+        before, peak = measured[name]
+        assert 0 < before < peak, name
+        assert counted[name] > 100, name
+    # FP32 with AdamW holds each parameter, its gradient and two moments when a step starts;
+    # O3 holds all of them in bfloat16.
+    parameter_bytes = 4 * sum(p.numel() for p in workload.build("cpu").parameters())
+    assert measured["fp32"][0] >= 4 * parameter_bytes
+    assert measured["amp O3"][0] < measured["fp32"][0] * 0.6

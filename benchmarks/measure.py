@@ -1,0 +1,91 @@
+"""Load-independent figures of one training step: Python calls and the allocator's peak bytes.
+
+  python_calls   cProfile's total_calls of one step after `warmup` steps (Python functions and
+                 the builtins they call; a noisy machine cannot blur it)
+  peak_memory    live bytes at the start of one step (after a warm-up step: model, optimizer
+                 state, masters, data) and their peak during it, everything included.
+                 CPU: torch.profiler with profile_memory, whose events carry each allocation and
+                 free of the CPU allocator; the trainer is built inside the profiled window, so
+                 the running sum of those events is the live total. CUDA: torch.cuda's
+                 memory_allocated and max_memory_allocated (the caching allocator's live bytes,
+                 not its reserve).
+"""
+
+import cProfile
+import gc
+import pstats
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_MARK = "benchmarks::measured_step"
+
+
+def python_calls(trainer, batch, warmup=2):
+    for _ in range(warmup):
+        trainer.step(*batch)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    trainer.step(*batch)
+    profiler.disable()
+    return pstats.Stats(profiler).total_calls
+
+
+def peak_memory(build, warm_batch, batch, device):
+    """(bytes live when a step starts, peak bytes live during it). `build()` makes the trainer;
+    `warm_batch()` and `batch()` make (inputs, targets) for the warm-up and the measured step."""
+    gc.collect()
+    if device == "cuda":
+        return _peak_cuda(build, warm_batch, batch)
+    return _peak_cpu(build, warm_batch, batch)
+
+
+def _peak_cuda(build, warm_batch, batch):
+    trainer = build()
+    try:
+        trainer.step(*warm_batch())
+        inputs = batch()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        trainer.step(*inputs)
+        torch.cuda.synchronize()
+        return before, torch.cuda.max_memory_allocated()
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _peak_cpu(build, warm_batch, batch):
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        trainer = build()
+        try:
+            trainer.step(*warm_batch())
+            inputs = batch()
+            with record_function(_MARK):
+                trainer.step(*inputs)
+        finally:
+            trainer.close()
+    events = list(profiler.profiler.kineto_results.events())
+    (mark,) = [e for e in events if e.name() == _MARK]
+    begin, end = mark.start_ns(), mark.start_ns() + mark.duration_ns()
+    memory = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    live, before, peak = 0, None, 0
+    for time, change in memory:
+        if time >= begin and before is None:
+            before = peak = live
+        if time > end:
+            break
+        live += change
+        if before is not None:
+            peak = max(peak, live)
+    if before is None:  # no allocation in the step
+        before = peak = live
+    return before, peak

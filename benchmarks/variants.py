@@ -1,0 +1,181 @@
+"""The training-step variants every precision benchmark compares, each set up on a fresh model.
+
+  fp32               plain FP32: loss.backward(); optimizer.step()
+  torch.autocast     torch.autocast + torch.amp.GradScaler (the reference of every ratio)
+  amp O1             amp.initialize(opt_level="O1") + amp.scale_loss
+  amp.autocast       amp.autocast + amp.GradScaler
+  amp O2             amp.initialize(opt_level="O2"): model in `dtype`, FP32 masters
+  amp O3             amp.initialize(opt_level="O3"): everything in `dtype`
+  manual O2 fused    the O2 a torch user writes by hand, with AdamW(fused=True); see below
+  manual O2 foreach  the same with AdamW(foreach=True)
+
+The manual O2 peer: every module but batch norm is cast to `dtype` (batch norm stays FP32, as amp
+O2 keeps it); the optimizer holds an FP32 master copy of every parameter and a persistent FP32
+gradient for each. A step: the model's forward and backward under torch.amp.GradScaler's scaled
+loss; one `torch._foreach_copy_` of the model's gradients into the master gradients, the model's
+gradients freed; `scaler.step` (unscale, inf/NaN check, AdamW on the masters; fused AdamW takes
+the unscale into its kernel) and `scaler.update`; one `torch._foreach_copy_` of the masters back
+into the model. The host work per step is a constant number of foreach calls.
+
+The first six variants use `torch.optim.AdamW(lr=1e-3)` with torch's default implementation (on
+CPU a loop over the parameters, on CUDA foreach) unless `optimizer="foreach"` or `"fused"`.
+Each setup returns a Trainer; `Trainer.close()` undoes amp's initialize.
+"""
+
+import torch
+
+import amp
+
+VARIANTS = (
+    "fp32",
+    "torch.autocast",
+    "amp O1",
+    "amp.autocast",
+    "amp O2",
+    "amp O3",
+    "manual O2 fused",
+    "manual O2 foreach",
+)
+REFERENCE = "torch.autocast"
+
+
+class Trainer:
+    """`step(inputs, targets)` runs one training step and returns the loss (detached)."""
+
+    def __init__(self, model, step, close=lambda: None):
+        self.model, self._step, self._close = model, step, close
+
+    def step(self, inputs, targets):
+        return self._step(inputs, targets)
+
+    def close(self):
+        self._close()
+
+
+def _adamw(params, optimizer):
+    options = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer]
+    return torch.optim.AdamW(params, lr=1e-3, **options)
+
+
+def _fp32(model, loss_fn, dtype, optimizer):
+    opt = _adamw(model.parameters(), optimizer)
+
+    def step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Trainer(model, step)
+
+
+def _torch_autocast(model, loss_fn, dtype, optimizer):
+    opt = _adamw(model.parameters(), optimizer)
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device)
+
+    def step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=dtype):
+            loss = loss_fn(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+
+    return Trainer(model, step)
+
+
+def _amp_autocast(model, loss_fn, dtype, optimizer):
+    opt = _adamw(model.parameters(), optimizer)
+    scaler = amp.GradScaler()
+
+    def step(inputs, targets):
+        opt.zero_grad(set_to_none=True)
+        with amp.autocast(dtype=dtype):
+            loss = loss_fn(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+
+    # amp.autocast installs amp's patches, which stay after the region: undo them.
+    return Trainer(model, step, amp.deinitialize)
+
+
+def _amp_level(opt_level):
+    def setup(model, loss_fn, dtype, optimizer):
+        model, opt = amp.initialize(
+            model, _adamw(model.parameters(), optimizer), opt_level=opt_level, dtype=dtype,
+            verbosity=0,
+        )
+
+        def step(inputs, targets):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            return loss.detach()
+
+        return Trainer(model, step, amp.deinitialize)
+
+    return setup
+
+
+def _cast_but_batch_norm(model, dtype):
+    def cast(tensor):
+        return tensor.to(dtype) if tensor.dtype is torch.float32 else tensor
+
+    for module in model.modules():
+        if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module._apply(cast, recurse=False)
+
+
+def _manual_o2(kind):
+    def setup(model, loss_fn, dtype, optimizer):
+        params = list(model.parameters())
+        masters = [p.detach().clone() for p in params]
+        master_grads = [torch.zeros_like(m) for m in masters]
+        for master, grad in zip(masters, master_grads):
+            master.grad = grad
+        _cast_but_batch_norm(model, dtype)
+        opt = torch.optim.AdamW(masters, lr=1e-3, **{kind: True})
+        scaler = torch.amp.GradScaler(params[0].device.type)
+
+        def step(inputs, targets):
+            if inputs.is_floating_point():
+                inputs = inputs.to(dtype)
+            loss = loss_fn(model(inputs), targets)
+            scaler.scale(loss).backward()
+            torch._foreach_copy_(master_grads, [p.grad for p in params])
+            for param in params:  # no call per parameter, unlike model.zero_grad()
+                param.grad = None
+            scaler.step(opt)
+            scaler.update()
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
+            return loss.detach()
+
+        return Trainer(model, step)
+
+    return setup
+
+
+SETUPS = {
+    "fp32": _fp32,
+    "torch.autocast": _torch_autocast,
+    "amp O1": _amp_level("O1"),
+    "amp.autocast": _amp_autocast,
+    "amp O2": _amp_level("O2"),
+    "amp O3": _amp_level("O3"),
+    "manual O2 fused": _manual_o2("fused"),
+    "manual O2 foreach": _manual_o2("foreach"),
+}
+
+
+def setup(name, model, loss_fn, dtype, optimizer="default"):
+    """Set `model` (FP32, on its device, not shared with any other variant) up for variant `name`;
+    `loss_fn(output, targets)` gives the loss. Returns a Trainer."""
+    return SETUPS[name](model, loss_fn, dtype, optimizer)
