@@ -15,7 +15,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml compat/apex/setup.cfg
 	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
 	$(BIN)/python -m pip install --quiet -e ./compat/apex
-	$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), f'torch {v} replaced 2.13.0'"
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
 test: $(VENV)/.installed

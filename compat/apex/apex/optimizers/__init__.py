@@ -7,7 +7,9 @@ from .fused_adam import FusedAdam
 from .fused_lamb import FusedLAMB
 from .fused_sgd import FusedSGD
 
-FusedAdagrad = not_provided("apex.optimizers.FusedAdagrad", "torch.optim.Adagrad(..., foreach=True)")
+FusedAdagrad = not_provided(
+    "apex.optimizers.FusedAdagrad", "torch.optim.Adagrad(..., foreach=True)"
+)
 FusedNovoGrad = not_provided(
     "apex.optimizers.FusedNovoGrad", "another optimizer: torch has no NovoGrad"
 )

@@ -33,7 +33,9 @@ def float32_lists(optimizer, group, name):
         if p.grad.is_sparse:
             raise RuntimeError(f"{name} does not support sparse gradients (as apex).")
         if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise RuntimeError(f"{name} supports float32, float16 and bfloat16 parameters; got {p.dtype}.")
+            raise RuntimeError(
+                f"{name} supports float32, float16 and bfloat16 parameters; got {p.dtype}."
+            )
         state = optimizer.state[p]
         if len(state) == 0:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

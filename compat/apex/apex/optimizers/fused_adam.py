@@ -5,7 +5,13 @@ checkpoints load."""
 
 import torch
 
-from ._common import GradNoneDefault, adam_moments, float32_lists, next_step, refuse_old_step_arguments
+from ._common import (
+    GradNoneDefault,
+    adam_moments,
+    float32_lists,
+    next_step,
+    refuse_old_step_arguments,
+)
 
 
 class FusedAdam(GradNoneDefault, torch.optim.Optimizer):
@@ -41,14 +47,20 @@ class FusedAdam(GradNoneDefault, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None):
         refuse_old_step_arguments(
-            "FusedAdam", grads=grads, output_params=output_params, scale=scale, grad_norms=grad_norms
+            "FusedAdam",
+            grads=grads,
+            output_params=output_params,
+            scale=scale,
+            grad_norms=grad_norms,
         )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads_, exp_avgs, exp_avg_sqs, write_back = float32_lists(self, group, "FusedAdam")
+            params, grads_, exp_avgs, exp_avg_sqs, write_back = float32_lists(
+                self, group, "FusedAdam"
+            )
             if not params:
                 continue
             beta1 = group["betas"][0]

@@ -66,7 +66,9 @@ class FusedLAMB(GradNoneDefault, torch.optim.Optimizer):
         global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(all_grads)))
         max_grad_norm = self.defaults["max_grad_norm"]  # apex read it from the defaults
         divisor = torch.where(global_norm > max_grad_norm, global_norm / max_grad_norm, 1.0)
-        for group, (params, grads, exp_avgs, exp_avg_sqs, write_back) in zip(self.param_groups, lists):
+        for group, (params, grads, exp_avgs, exp_avg_sqs, write_back) in zip(
+            self.param_groups, lists
+        ):
             if not params:
                 continue
             beta1 = group["betas"][0]

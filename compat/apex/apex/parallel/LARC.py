@@ -26,7 +26,7 @@ class LARC:
         self.optim.__setstate__(state)
 
     def __repr__(self):
-        return f"LARC(trust_coefficient={self.trust_coefficient}, clip={self.clip}, eps={self.eps}, {self.optim!r})"
+        return self.optim.__repr__()  # as apex
 
     @property
     def state(self):
@@ -68,8 +68,10 @@ class LARC:
                         continue
                     param_norm, grad_norm = torch.norm(p), torch.norm(p.grad)
                     if param_norm != 0 and grad_norm != 0:
-                        local_lr = self.trust_coefficient * param_norm / (
-                            grad_norm + param_norm * weight_decay + self.eps
+                        local_lr = (
+                            self.trust_coefficient
+                            * param_norm
+                            / (grad_norm + param_norm * weight_decay + self.eps)
                         )
                         if self.clip:
                             local_lr = torch.clamp(local_lr / group["lr"], max=1)

@@ -11,14 +11,18 @@ apex's arguments, by what they do to results:
 - refused: `shared_param` (apex refused it too) and `retain_allreduce_buffers=True` (apex kept
   its flat buffers for the caller to read; torch's buckets are not exposed).
 Keyword arguments of torch's DistributedDataParallel (`find_unused_parameters`, ...) pass through.
+torch's DDP refuses SyncBatchNorm layers in a CPU module; this one lets apex's SyncBatchNorm
+through, which synchronises on CPU as well.
 """
 
 import torch
 import torch.distributed as dist
 
+from .sync_batchnorm import SyncBatchNorm
+
 
 class _Averaging:
-    """apex's gradient arithmetic around one all-reduce, as a DDP communication hook."""
+    """What apex's arithmetic around the all-reduce needs: the state of `_apex_allreduce`."""
 
     def __init__(self, process_group, average, predivide_factor, always_fp32):
         self.process_group = process_group
@@ -26,23 +30,26 @@ class _Averaging:
         self.predivide_factor = predivide_factor
         self.always_fp32 = always_fp32
 
-    def __call__(self, state, bucket):
-        buffer = bucket.buffer()
-        tensor = buffer.float() if self.always_fp32 and buffer.is_floating_point() else buffer
-        if self.predivide_factor != 1.0:
-            tensor.mul_(1.0 / self.predivide_factor)
-        world_size = dist.get_world_size(self.process_group)
-        work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
 
-        def finish(future):
-            reduced = future.value()[0]
-            if self.average:
-                reduced.mul_(self.predivide_factor / world_size)
-            if reduced is not buffer:
-                buffer.copy_(reduced)
-            return buffer
+def _apex_allreduce(state, bucket):
+    """A DDP communication hook: divide by the predivide factor, sum over ranks (in float32
+    with allreduce_always_fp32), multiply by factor / world size (when averaging)."""
+    buffer = bucket.buffer()
+    tensor = buffer.float() if state.always_fp32 and buffer.is_floating_point() else buffer
+    if state.predivide_factor != 1.0:
+        tensor.mul_(1.0 / state.predivide_factor)
+    world_size = dist.get_world_size(state.process_group)
+    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
 
-        return work.get_future().then(finish)
+    def finish(future):
+        reduced = future.value()[0]
+        if state.average:
+            reduced.mul_(state.predivide_factor / world_size)
+        if reduced is not buffer:
+            buffer.copy_(reduced)
+        return buffer
+
+    return work.get_future().then(finish)
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
@@ -102,15 +109,19 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             1.0,
             False,
         ):
-            self.register_comm_hook(
-                None,
-                _Averaging(
-                    torch_kwargs.get("process_group"),
-                    self.gradient_average,
-                    self.gradient_predivide_factor,
-                    self.allreduce_always_fp32,
-                ),
+            state = _Averaging(
+                torch_kwargs.get("process_group"),
+                self.gradient_average,
+                self.gradient_predivide_factor,
+                self.allreduce_always_fp32,
             )
+            self.register_comm_hook(state, _apex_allreduce)
+
+    def _passing_sync_batchnorm_handle(self, module):
+        # torch refuses every SyncBatchNorm in a CPU module; apex's synchronises on CPU too.
+        layers = [m for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        if self.device_type != "cpu" or not all(isinstance(m, SyncBatchNorm) for m in layers):
+            super()._passing_sync_batchnorm_handle(module)
 
     def disable_allreduce(self):
         """Stop reducing gradients (they accumulate locally) until enable_allreduce()."""

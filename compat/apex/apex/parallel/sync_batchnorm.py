@@ -1,9 +1,9 @@
 """apex.parallel.SyncBatchNorm and convert_syncbn_model, on torch.nn.SyncBatchNorm.
 
 On CUDA (and torch's other accelerators) torch's SyncBatchNorm does the work. On CPU, where
-torch's refuses to synchronise, the batch statistics are all-reduced here with torch's
-autograd-aware all_reduce (two small collectives: the sums and counts, then the squared
-deviations), in float32, with torch's running-statistics update (unbiased variance).
+torch's refuses to synchronise, the batch statistics are all-reduced here (two small
+collectives: the sums and counts, then the squared deviations; their gradients all-reduced in
+backward), in float32, with torch's running-statistics update (unbiased variance).
 apex's `channel_last=True` (channels in the last dimension of the input) and `fuse_relu`
 (with the optional residual `z` added before the ReLU) are honoured.
 """
@@ -11,7 +11,27 @@ apex's `channel_last=True` (channels in the last dimension of the input) and `fu
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_reduce
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """The sum over ranks, whose gradient is the sum over ranks of the gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(tensor, group):
+    return _AllReduceSum.apply(tensor, group)
 
 
 class SyncBatchNorm(torch.nn.SyncBatchNorm):
@@ -33,7 +53,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     def forward(self, input, z=None):
         channels_last = self.channel_last and input.dim() > 2
         x = input.movedim(-1, 1) if channels_last else input
-        out = self._cpu_synchronised(x) if self._needs_cpu_sync(x) else super().forward(x)
+        out = self._normalise(x)
         if channels_last:
             out = out.movedim(1, -1)
         if z is not None:
@@ -43,14 +63,14 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     def _group(self):
         return self.process_group or dist.group.WORLD
 
-    def _needs_cpu_sync(self, x):
-        return (
-            x.device.type == "cpu"
-            and self.training
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(self._group()) > 1
-        )
+    def _normalise(self, x):
+        if x.device.type != "cpu":
+            return super().forward(x)
+        if self.training and dist.is_initialized() and dist.get_world_size(self._group()) > 1:
+            return self._cpu_synchronised(x)
+        # Once a process group exists, torch's SyncBatchNorm refuses CPU input even in a
+        # one-rank group; plain batch norm is what it would compute there.
+        return torch.nn.modules.batchnorm._BatchNorm.forward(self, x)
 
     def _cpu_synchronised(self, x):
         self._check_input_dim(x)
@@ -80,8 +100,12 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         if self.track_running_stats:
             with torch.no_grad():
                 unbiased = var * (count / (count - 1))
-                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean), alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var), alpha=momentum)
+                self.running_mean.mul_(1 - momentum).add_(
+                    mean.to(self.running_mean), alpha=momentum
+                )
+                self.running_var.mul_(1 - momentum).add_(
+                    unbiased.to(self.running_var), alpha=momentum
+                )
         return out.to(x.dtype)
 
 
