@@ -87,7 +87,7 @@ def test_python_m_amp_reports_the_compat_package():
     result = subprocess.run([sys.executable, "-m", "amp"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     line = result.stdout.splitlines()[-1]
-    assert line.startswith("apex compatibility package: installed (apex 0.1.0+amp at ")
+    assert line.startswith(f"apex compatibility package: installed (apex {amp.__version__}+amp at ")
     assert os.path.realpath(os.path.dirname(apex.__file__)) in line
 
 
