@@ -551,6 +551,13 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_apex_reducer_averages_over_ranks(ranks):
+    for rank in ranks:
+        assert torch.equal(rank["reducer"][0], torch.full((3,), 1.5))
+        assert torch.equal(rank["reducer"][1], torch.full((2,), 5.0))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(ddp_script.SCENARIOS))
 def test_apex_ddp_with_sync_batchnorm_matches_one_process(ranks, scenario):
     """Two ranks of B samples with apex's DDP and SyncBatchNorm train as one process on 2B:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from apex import amp
 from apex.parallel import DistributedDataParallel as DDP
-from apex.parallel import convert_syncbn_model
+from apex.parallel import Reducer, convert_syncbn_model
 
 WORLD, BATCH, STEPS = 2, 8, 4
 # (opt level, apex DDP arguments, what the loss is multiplied by in the one-process reference)
@@ -83,6 +83,9 @@ def main(out):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         found = {scenario: train(scenario, rank) for scenario in SCENARIOS}
+        gradients = [torch.full((3,), float(rank + 1)), torch.full((2,), 10.0 * rank)]
+        Reducer(gradients).reduce()  # apex's explicit all-reduce: the mean over ranks
+        found["reducer"] = gradients
     finally:
         dist.destroy_process_group()
     torch.save(found, os.path.join(out, f"rank{rank}.pt"))
