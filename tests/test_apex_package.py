@@ -325,6 +325,19 @@ def test_fused_sgd_is_torch_sgd_bit_for_bit():
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)  # set_grad_none=False
 
 
+@pytest.mark.parametrize("optimizer_class", [FusedAdam, FusedLAMB])
+def test_a_refused_parameter_in_a_later_group_changes_nothing(optimizer_class):
+    good, bad = (
+        torch.ones(2, requires_grad=True),
+        torch.ones(2, dtype=torch.float64, requires_grad=True),
+    )
+    optimizer = optimizer_class([{"params": [good]}, {"params": [bad]}], lr=0.1)
+    good.grad, bad.grad = torch.ones(2), torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="got torch.float64"):
+        optimizer.step()
+    assert torch.equal(good, torch.ones(2)) and "step" not in optimizer.param_groups[0]
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -57,10 +57,11 @@ class FusedAdam(GradNoneDefault, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params, grads_, exp_avgs, exp_avg_sqs, write_back = float32_lists(
-                self, group, "FusedAdam"
-            )
+        # Every group is checked (dtypes, sparse gradients) before any is stepped.
+        lists = [float32_lists(self, group, "FusedAdam") for group in self.param_groups]
+        for group, (params, grads_, exp_avgs, exp_avg_sqs, write_back) in zip(
+            self.param_groups, lists
+        ):
             if not params:
                 continue
             beta1 = group["betas"][0]
