@@ -1,5 +1,7 @@
 # `make test` and `make demo` each set up .venv on their own. torch==2.13.0 is installed first:
-# a bare `torch` requirement would pull a CUDA build of several GB.
+# a bare `torch` requirement would pull a CUDA build of several GB. The `apex` compatibility
+# package (compat/apex) is installed after amp, editable so that the tests see its source, and the
+# install must leave that torch in place.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,8 +12,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 
-$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml compat/apex/setup.cfg
 	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
+	$(BIN)/python -m pip install --quiet -e ./compat/apex
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
 test: $(VENV)/.installed
@@ -24,4 +28,4 @@ benchmark: $(VENV)/.installed
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info compat/apex/build compat/apex/*.egg-info

@@ -12,6 +12,7 @@ from .casting.registration import (
 )
 from .casting.trace import trace
 from .compat.apex_state import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
+from .compat.real_apex import warn_if_real_apex_amp as _warn_if_real_apex_amp
 from .diagnostics.audit import audit
 from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
 from .scaling.grad_scaler import GradScaler
@@ -20,6 +21,8 @@ from .scaling.nonfinite_loss import NonFiniteLossWarning
 from .scaling.overflow import last_overflow
 
 __version__ = "0.1.0"
+
+_warn_if_real_apex_amp()  # never shadowed silently by an apex that has its own apex.amp
 
 __all__ = [
     # front end (apex.amp)

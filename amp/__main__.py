@@ -19,6 +19,7 @@ def report():
 
     import amp
     from amp import hardware, kernels, lists
+    from amp.compat import real_apex
 
     lines = [
         f"amp {amp.__version__}",
@@ -48,6 +49,7 @@ def report():
         f"{len(missing)} not in this torch"
         + (f" ({', '.join(entry.qualified_name for entry in missing)})" if missing else "")
     )
+    lines.append(real_apex.describe())
     return "\n".join(lines)
 
 

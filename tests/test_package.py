@@ -49,6 +49,8 @@ def test_environment_report():
     assert any("op tables:" in line for line in lines)
     low_precision = [line for line in lines if line.startswith("low precision on cpu (")]
     assert low_precision and "float16" in low_precision[0]  # what the CPU does with it
+    apex = [line for line in lines if line.startswith("apex compatibility package: ")]
+    assert len(apex) == 1 and ("installed (" in apex[0] or "not installed" in apex[0])
 
 
 def test_import_touches_neither_cupy_nor_cuda():
