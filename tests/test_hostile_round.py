@@ -45,3 +45,59 @@ def test_convert_syncbn_model_keeps_the_layers_dtype_and_frozen_weights():
         converted[0].bias,
         bn.bias,
     ]
+
+
+# --- the origin watch when no step ends it ---------------------------------------------------
+
+
+def _small_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _skip_last_step(opt_level="O1"):
+    """Train two steps, the last one skipped (loss * inf): the watch is armed, no step follows."""
+    model = _small_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    x = torch.randn(16, 4)
+    for factor in (1.0, float("inf")):
+        optimizer.zero_grad()
+        loss = model(x).float().pow(2).mean() * factor
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    assert amp.last_overflow() is not None and amp_state.origin_watch.armed
+    return model, optimizer, x
+
+
+def test_evaluation_after_a_skipped_last_step_holds_a_bounded_number_of_checks():
+    model, _, x = _skip_last_step()
+    model.eval()
+    with torch.no_grad():
+        for _ in range(1500):  # 4 module outputs each: 6000 checks
+            model(x)
+    assert len(amp_state.origin_watch._events) < 4096
+
+
+def test_checks_read_without_a_step_keep_the_first_bad_one_and_stop_watching(monkeypatch):
+    from amp.scaling import origin
+    from torch.nn.modules import module as nn_module
+
+    monkeypatch.setattr(origin, "_HELD", 8)
+    model, optimizer, x = _skip_last_step("O2")
+    with torch.no_grad():
+        for _ in range(5):  # 20 clean checks: read and dropped twice, still watching
+            model(x)
+    assert amp_state.origin_watch.armed and len(nn_module._global_forward_hooks) == 1
+    with torch.no_grad():
+        model[2].weight.mul_(1e6)  # float16 overflows in the last layer from here on
+    optimizer.zero_grad()
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()  # more than 8 checks in all: read inside backward's hooks
+    assert len(nn_module._global_forward_hooks) == 0  # found: nothing more is watched
+    assert not any(p._backward_hooks for p in model.parameters())
+    optimizer.step()
+    origin_found = amp.last_overflow().origin
+    assert (origin_found.module, origin_found.phase) == ("2", "forward")

@@ -32,6 +32,7 @@ from .._state import amp_state
 from ..casting.patching import ORIGINAL_ATTRIBUTE
 
 _KEEP = 64  # (flag, origin) pairs kept for the skip reports that read them
+_HELD = 4096  # checks held before they are read without a step (a watch no step ends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +198,7 @@ class OriginWatch:
         """scale_loss / GradScaler.scale: the loss itself, after every module's output."""
         if self.armed and isinstance(loss, torch.Tensor) and loss.is_floating_point():
             self.fired = True
-            self._events.append((None, "forward", "loss", loss.dtype, _flag([loss])))
+            self._record((None, "forward", "loss", loss.dtype, _flag([loss])))
 
     def _stack(self):
         stack = getattr(self._local, "stack", None)
@@ -242,11 +243,33 @@ class OriginWatch:
             return
         name = self._names.get(module, f"<{type(module).__name__}>")
         op = type(module).__name__
-        self._events.append((name, "forward", op, tensors[0].dtype, _flag(tensors)))
+        self._record((name, "forward", op, tensors[0].dtype, _flag(tensors)))
         if not stack and torch.is_grad_enabled():  # an outermost module: the loss follows
             for tensor in tensors:
                 if tensor.requires_grad:
                     self._charge(tensor, None, "loss", outside=True)
+
+    def _record(self, event):
+        self._events.append(event)
+        if len(self._events) >= _HELD:
+            self._read_held()
+
+    def _read_held(self):
+        """A skip on the last training step, then hours of evaluation: no step ends the watch,
+        and every module call adds a check. Read those held (one sync, only here): once one
+        is bad, keep it alone and stop watching (nothing later can come first); else drop
+        them, and the hooks of tensors that are gone, and go on watching."""
+        bad = _bad_events(self._events)
+        if bad:
+            first = min(bad)
+            self._events = [self._events[first]]
+            for handle in self._handles:
+                handle.remove()
+            self._handles, self._sites, self._hooked_params = [], {}, set()
+            return
+        self._events = []
+        self._sites = {key: entry for key, entry in self._sites.items() if entry[0]() is not None}
+        self._handles = [handle for handle in self._handles if handle.hooks_dict_ref() is not None]
 
     def _charge(self, tensor, name, op, outside):
         """Check `tensor`'s gradient when autograd computes it, charged to module `name`."""
@@ -261,15 +284,13 @@ class OriginWatch:
 
         def check(grad):
             if grad is not None and self.armed:
-                self._events.append((site.module, "backward", site.op, grad.dtype, _flag([grad])))
+                self._record((site.module, "backward", site.op, grad.dtype, _flag([grad])))
 
         self._handles.append(tensor.register_hook(check))
 
 
-def _first_nonfinite(events):
-    """The Origin of the first event whose flag is set (one host read per device), or None."""
-    if not events:
-        return None
+def _bad_events(events):
+    """{index: "inf" or "nan"} of the events whose flag is set (one host read per device)."""
     by_device = {}
     for index, event in enumerate(events):
         by_device.setdefault(event[4].device, []).append(index)
@@ -279,6 +300,12 @@ def _first_nonfinite(events):
         for index, (inf, nan) in zip(indices, values):
             if inf or nan:
                 bad[index] = "inf" if inf else "nan"
+    return bad
+
+
+def _first_nonfinite(events):
+    """The Origin of the first event whose flag is set, or None."""
+    bad = _bad_events(events) if events else None
     if not bad:
         return None
     first = min(bad)
