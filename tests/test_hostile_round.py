@@ -101,3 +101,35 @@ def test_checks_read_without_a_step_keep_the_first_bad_one_and_stop_watching(mon
     optimizer.step()
     origin_found = amp.last_overflow().origin
     assert (origin_found.module, origin_found.phase) == ("2", "forward")
+
+
+# --- amp.audit -------------------------------------------------------------------------------
+
+
+class _Smoothed(torch.nn.Module):
+    """A forward that assigns new tensors to its buffers, as user code often does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        self.offset = self.offset + 1.0
+        return self.lin(x) + self.offset
+
+
+def test_audit_puts_back_buffers_a_forward_reassigns_and_compares_from_the_same_start():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Smoothed(), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    slots = dict(model[0]._buffers)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = amp.audit(lambda: model(x).pow(2).mean(), model)
+    assert all(model[0]._buffers[k] is v for k, v in slots.items())
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # Both runs started from offset 0: float16 differs from FP32 by rounding only.
+    assert report.row("0").relative_error < 1e-2

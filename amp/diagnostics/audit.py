@@ -36,15 +36,26 @@ def _floating(value, found):
 
 class _Snapshot:
     """The model's parameters and buffers and the RNG states, to start each run from and to put
-    back at the end, bit for bit."""
+    back at the end, bit for bit. A forward may also assign a new tensor to a buffer
+    (``self.calls = self.calls + 1``): the module's slots are put back too."""
 
     def __init__(self, model):
+        self.slots = [
+            (slots, dict(slots))
+            for module in model.modules()
+            for slots in (module._parameters, module._buffers)
+            if type(slots) is dict  # not a ScriptModule's
+        ]
         self.tensors = [(t, t.detach().clone()) for t in _tensors(model)]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.python_rng = random.getstate()
 
     def restore(self):
+        for slots, saved in self.slots:
+            if slots.keys() != saved.keys() or any(slots[k] is not v for k, v in saved.items()):
+                slots.clear()
+                slots.update(saved)
         with torch.no_grad():
             for tensor, saved in self.tensors:
                 # Only what changed: a copy bumps the version amp's O2 shadows watch.
