@@ -133,3 +133,18 @@ def test_audit_puts_back_buffers_a_forward_reassigns_and_compares_from_the_same_
     assert all(torch.equal(before[k], after[k]) for k in before)
     # Both runs started from offset 0: float16 differs from FP32 by rounding only.
     assert report.row("0").relative_error < 1e-2
+
+
+def test_an_audit_between_a_skip_and_the_watched_step_is_not_taken_for_that_step():
+    model, optimizer, x = _skip_last_step()  # the next step is watched
+    # What the warning advises: audit, here on a batch that overflows the first layer.
+    amp.audit(lambda: model(x * 1e5).float().pow(2).mean(), model)
+    with torch.no_grad():
+        model[2].weight.mul_(1e6)  # what goes wrong in the watched step: the last layer
+    optimizer.zero_grad()
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    found = amp.last_overflow().origin
+    assert (found.module, found.phase) == ("2", "forward")

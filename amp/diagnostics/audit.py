@@ -175,6 +175,15 @@ def audit(fn, model, dtype=torch.float16, loss_scale=None):
     names = {}
     for name, module in model.named_modules():
         names.setdefault(module, _Module(name, type(module).__name__))
+    with amp_state.origin_watch.paused():  # after a skip: the audit is not the watched step
+        loss_fp32, loss_low, with_grads = _runs(fn, model, names, dtype, scale)
+    rows = [record.row(dtype, with_grads) for record in names.values() if record.calls]
+    return AuditReport(rows, dtype, scale, _scalar(loss_fp32), _scalar(loss_low))
+
+
+def _runs(fn, model, names, dtype, scale):
+    """The FP32 run, its output gradients, and the low-precision run, from the same start;
+    the model and RNG put back afterwards, also when `fn` raises."""
     snapshot = _Snapshot(model)
     handles = []
     try:
@@ -193,8 +202,7 @@ def audit(fn, model, dtype=torch.float16, loss_scale=None):
         for handle in handles:
             handle.remove()
         snapshot.restore()
-    rows = [record.row(dtype, with_grads) for record in names.values() if record.calls]
-    return AuditReport(rows, dtype, scale, _scalar(loss_fp32), _scalar(loss_low))
+    return loss_fp32, loss_low, with_grads
 
 
 def _scalar(loss):

@@ -20,6 +20,7 @@ the next optimizer step, which removes every hook first. A model's name for a mo
 ``module.`` prefix), else in the outermost module the call came through.
 """
 
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -114,6 +115,7 @@ class OriginWatch:
         self._stepped = set()  # the owners that stepped since the watched step began
         self._next = []  # owners that skipped during the watched step: they arm the next one
         self._found = []  # (overflow flag, Origin or None) of the last watched steps
+        self._paused = 0  # > 0: what runs now is not the user's step (amp.audit's forwards)
 
     # -- arming and disarming -------------------------------------------------------------
 
@@ -192,11 +194,21 @@ class OriginWatch:
                 return origin
         return None
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing that runs inside is watched: amp.audit's forwards are not the user's step."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     # -- what the hooks record ------------------------------------------------------------
 
     def note_loss(self, loss):
         """scale_loss / GradScaler.scale: the loss itself, after every module's output."""
-        if self.armed and isinstance(loss, torch.Tensor) and loss.is_floating_point():
+        watching = self.armed and not self._paused
+        if watching and isinstance(loss, torch.Tensor) and loss.is_floating_point():
             self.fired = True
             self._record((None, "forward", "loss", loss.dtype, _flag([loss])))
 
@@ -215,7 +227,7 @@ class OriginWatch:
         return name
 
     def _before(self, module, args):
-        if torch.compiler.is_compiling():
+        if self._paused or torch.compiler.is_compiling():
             return
         self.fired = True
         stack = self._stack()
@@ -233,7 +245,7 @@ class OriginWatch:
                         self._charge(param, name, op, outside=False)
 
     def _after(self, module, args, output):
-        if torch.compiler.is_compiling():
+        if self._paused or torch.compiler.is_compiling():
             return
         stack = self._stack()
         if stack and stack[-1] is module:
@@ -283,7 +295,7 @@ class OriginWatch:
         self._sites[id(tensor)] = (weakref.ref(tensor), site)
 
         def check(grad):
-            if grad is not None and self.armed:
+            if grad is not None and self.armed and not self._paused:
                 self._record((site.module, "backward", site.op, grad.dtype, _flag([grad])))
 
         self._handles.append(tensor.register_hook(check))
