@@ -148,3 +148,59 @@ def test_an_audit_between_a_skip_and_the_watched_step_is_not_taken_for_that_step
     optimizer.step()
     found = amp.last_overflow().origin
     assert (found.module, found.phase) == ("2", "forward")
+
+
+# --- fp32_modules at O2/O3: a kept module whose output overflows the model dtype -------------
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(self.embed(x))))
+
+
+def _overflowing_net():
+    torch.manual_seed(0)
+    model = _Net()
+    with torch.no_grad():
+        model.body[0].weight.mul_(1e5)  # FP32 output ~1e5: beyond float16's 65504
+    return model, torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+
+def test_the_audits_advice_says_o2_casts_a_kept_overflowing_output_back():
+    model, x, y = _overflowing_net()
+    report = amp.audit(lambda: torch.nn.functional.cross_entropy(model(x), y), model)
+    assert report.keep_fp32() == ["body"]
+    advice = report.suggest()
+    assert "At O2/O3" in advice and "train at O1" in advice
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_a_kept_modules_output_that_overflows_when_cast_back_is_named_as_the_origin(opt_level):
+    model, x, y = _overflowing_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = amp.initialize(
+        model,
+        optimizer,
+        opt_level=opt_level,
+        loss_scale="dynamic",
+        verbosity=0,
+        fp32_modules=["body"],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", amp.NonFiniteLossWarning)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+    found = amp.last_overflow().origin
+    # Not 'norm', which only received the inf: 'body' in float16, after the cast back.
+    assert (found.module, found.phase, found.dtype) == ("body", "forward", torch.float16)

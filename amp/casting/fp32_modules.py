@@ -93,7 +93,13 @@ class RestoreCasting:
         scopes = amp_state.thread.fp32_scopes
         if scopes:
             scopes.pop().__exit__(None, None, None)
-        return output if self.dtype is None else cast_tree(output, self.dtype)
+        if self.dtype is None:
+            return output
+        output = cast_tree(output, self.dtype)
+        if amp_state.origin_watch is not None and amp_state.origin_watch.armed:
+            # An FP32 output beyond the model dtype's range turns inf here: name this module.
+            amp_state.origin_watch.note_cast(module, output)
+        return output
 
 
 def install(models, model_dtype, ledger):

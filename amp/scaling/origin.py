@@ -212,6 +212,14 @@ class OriginWatch:
             self.fired = True
             self._record((None, "forward", "loss", loss.dtype, _flag([loss])))
 
+    def note_cast(self, module, outputs):
+        """fp32_modules at O2/O3: a kept module's outputs, cast back to the model's dtype after
+        every forward hook saw them in FP32; an output beyond that dtype's range is born here."""
+        tensors = _floating(outputs, [])
+        if self.armed and not self._paused and tensors and not torch.compiler.is_compiling():
+            name = self._names.get(module, f"<{type(module).__name__}>")
+            self._record((name, "forward", type(module).__name__, tensors[0].dtype, _flag(tensors)))
+
     def _stack(self):
         stack = getattr(self._local, "stack", None)
         if stack is None:
