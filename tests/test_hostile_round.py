@@ -204,3 +204,33 @@ def test_a_kept_modules_output_that_overflows_when_cast_back_is_named_as_the_ori
     found = amp.last_overflow().origin
     # Not 'norm', which only received the inf: 'body' in float16, after the cast back.
     assert (found.module, found.phase, found.dtype) == ("body", "forward", torch.float16)
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.mid(self.emb(tokens)))
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+@pytest.mark.parametrize("kept", ["head", "emb"])
+def test_a_kept_module_tied_to_a_cast_one_is_refused_and_nothing_changes(opt_level, kept):
+    torch.manual_seed(0)
+    model = _TiedLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="tied weights"):
+        amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0, fp32_modules=[kept])
+    assert model.head.weight is model.emb.weight and model.emb.weight.dtype is torch.float32
+    assert optimizer.param_groups[0]["params"][0] is model.emb.weight
+    # Keeping both holders works: the tied weight stays FP32 for both.
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, verbosity=0, fp32_modules=["head", "emb"]
+    )
+    assert model.emb.weight.dtype is torch.float32 and model.mid.weight.dtype is torch.float16
+    assert model(torch.randint(0, 10, (4, 5))).isfinite().all()
