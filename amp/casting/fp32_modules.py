@@ -93,12 +93,20 @@ class RestoreCasting:
         scopes = amp_state.thread.fp32_scopes
         if scopes:
             scopes.pop().__exit__(None, None, None)
-        return output if self.dtype is None else cast_tree(output, self.dtype)
+        if self.dtype is None:
+            return output
+        output = cast_tree(output, self.dtype)
+        if amp_state.origin_watch is not None and amp_state.origin_watch.armed:
+            # An FP32 output beyond the model dtype's range turns inf here: name this module.
+            amp_state.origin_watch.note_cast(module, output)
+        return output
 
 
 def install(models, model_dtype, ledger):
     """Hooks on the outermost kept modules (undone by `ledger`). `model_dtype`: the dtype O2/O3
     cast the model to (outputs go back to it), or None at O0/O1 (outputs stay FP32)."""
+    if model_dtype is not None:
+        _refuse_tied(models, model_dtype)
     for model in models:
         stack = [(model, True)]
         while stack:
@@ -112,3 +120,24 @@ def install(models, model_dtype, ledger):
             ledger.add_hook(pre, "fp32_modules input hook")
             post = module.register_forward_hook(RestoreCasting(dtype), always_call=True)
             ledger.add_hook(post, "fp32_modules output hook")
+
+
+def _refuse_tied(models, dtype):
+    """O2/O3 cast a parameter once for every module that holds it: one a kept module shares
+    with a cast module (tied weights) would be left in `dtype`, silently or failing later."""
+    holders = {}
+    for model in models:
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for name, param in module.named_parameters(recurse=False):
+                qualified = f"{prefix}.{name}" if prefix else name
+                holders.setdefault(param, []).append((qualified, module in amp_state.fp32_modules))
+    for param, names in holders.items():
+        kept = [name for name, is_kept in names if is_kept]
+        cast = [name for name, is_kept in names if not is_kept]
+        if kept and cast and param.dtype == dtype:
+            raise ValueError(
+                f"amp.initialize: fp32_modules keeps {kept[0]!r} in FP32, but the same parameter "
+                f"is {cast[0]!r} of a module cast to {dtype} (tied weights), so it cannot stay "
+                "FP32. Keep every module that holds it (add the module of "
+                f"{cast[0]!r} to fp32_modules), or use opt_level='O1'."
+            )

@@ -36,15 +36,26 @@ def _floating(value, found):
 
 class _Snapshot:
     """The model's parameters and buffers and the RNG states, to start each run from and to put
-    back at the end, bit for bit."""
+    back at the end, bit for bit. A forward may also assign a new tensor to a buffer
+    (``self.calls = self.calls + 1``): the module's slots are put back too."""
 
     def __init__(self, model):
+        self.slots = [
+            (slots, dict(slots))
+            for module in model.modules()
+            for slots in (module._parameters, module._buffers)
+            if type(slots) is dict  # not a ScriptModule's
+        ]
         self.tensors = [(t, t.detach().clone()) for t in _tensors(model)]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.python_rng = random.getstate()
 
     def restore(self):
+        for slots, saved in self.slots:
+            if slots.keys() != saved.keys() or any(slots[k] is not v for k, v in saved.items()):
+                slots.clear()
+                slots.update(saved)
         with torch.no_grad():
             for tensor, saved in self.tensors:
                 # Only what changed: a copy bumps the version amp's O2 shadows watch.
@@ -164,6 +175,15 @@ def audit(fn, model, dtype=torch.float16, loss_scale=None):
     names = {}
     for name, module in model.named_modules():
         names.setdefault(module, _Module(name, type(module).__name__))
+    with amp_state.origin_watch.paused():  # after a skip: the audit is not the watched step
+        loss_fp32, loss_low, with_grads = _runs(fn, model, names, dtype, scale)
+    rows = [record.row(dtype, with_grads) for record in names.values() if record.calls]
+    return AuditReport(rows, dtype, scale, _scalar(loss_fp32), _scalar(loss_low))
+
+
+def _runs(fn, model, names, dtype, scale):
+    """The FP32 run, its output gradients, and the low-precision run, from the same start;
+    the model and RNG put back afterwards, also when `fn` raises."""
     snapshot = _Snapshot(model)
     handles = []
     try:
@@ -182,8 +202,7 @@ def audit(fn, model, dtype=torch.float16, loss_scale=None):
         for handle in handles:
             handle.remove()
         snapshot.restore()
-    rows = [record.row(dtype, with_grads) for record in names.values() if record.calls]
-    return AuditReport(rows, dtype, scale, _scalar(loss_fp32), _scalar(loss_low))
+    return loss_fp32, loss_low, with_grads
 
 
 def _scalar(loss):

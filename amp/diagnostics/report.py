@@ -143,6 +143,12 @@ class AuditReport:
                 "does it (O1: no casting inside them; O2/O3: FP32 weights, inputs and outputs "
                 "cast around them)."
             )
+            if any(self.row(name).overflows for name in keep):
+                lines.append(
+                    f"At O2/O3 a kept module's output goes back to {dtype} for the modules after "
+                    f"it and overflows there again: train at O1 (fp32_modules=[{patterns}]), or "
+                    "keep in FP32 a module that holds it and the modules that take its output."
+                )
         else:
             lines.append(f"Nothing needs to stay in FP32: every module fits {dtype}.")
         starving = [

@@ -20,6 +20,7 @@ the next optimizer step, which removes every hook first. A model's name for a mo
 ``module.`` prefix), else in the outermost module the call came through.
 """
 
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -32,6 +33,7 @@ from .._state import amp_state
 from ..casting.patching import ORIGINAL_ATTRIBUTE
 
 _KEEP = 64  # (flag, origin) pairs kept for the skip reports that read them
+_HELD = 4096  # checks held before they are read without a step (a watch no step ends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,7 @@ class OriginWatch:
         self._stepped = set()  # the owners that stepped since the watched step began
         self._next = []  # owners that skipped during the watched step: they arm the next one
         self._found = []  # (overflow flag, Origin or None) of the last watched steps
+        self._paused = 0  # > 0: what runs now is not the user's step (amp.audit's forwards)
 
     # -- arming and disarming -------------------------------------------------------------
 
@@ -191,13 +194,31 @@ class OriginWatch:
                 return origin
         return None
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing that runs inside is watched: amp.audit's forwards are not the user's step."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     # -- what the hooks record ------------------------------------------------------------
 
     def note_loss(self, loss):
         """scale_loss / GradScaler.scale: the loss itself, after every module's output."""
-        if self.armed and isinstance(loss, torch.Tensor) and loss.is_floating_point():
+        watching = self.armed and not self._paused
+        if watching and isinstance(loss, torch.Tensor) and loss.is_floating_point():
             self.fired = True
-            self._events.append((None, "forward", "loss", loss.dtype, _flag([loss])))
+            self._record((None, "forward", "loss", loss.dtype, _flag([loss])))
+
+    def note_cast(self, module, outputs):
+        """fp32_modules at O2/O3: a kept module's outputs, cast back to the model's dtype after
+        every forward hook saw them in FP32; an output beyond that dtype's range is born here."""
+        tensors = _floating(outputs, [])
+        if self.armed and not self._paused and tensors and not torch.compiler.is_compiling():
+            name = self._names.get(module, f"<{type(module).__name__}>")
+            self._record((name, "forward", type(module).__name__, tensors[0].dtype, _flag(tensors)))
 
     def _stack(self):
         stack = getattr(self._local, "stack", None)
@@ -214,7 +235,7 @@ class OriginWatch:
         return name
 
     def _before(self, module, args):
-        if torch.compiler.is_compiling():
+        if self._paused or torch.compiler.is_compiling():
             return
         self.fired = True
         stack = self._stack()
@@ -232,7 +253,7 @@ class OriginWatch:
                         self._charge(param, name, op, outside=False)
 
     def _after(self, module, args, output):
-        if torch.compiler.is_compiling():
+        if self._paused or torch.compiler.is_compiling():
             return
         stack = self._stack()
         if stack and stack[-1] is module:
@@ -242,11 +263,33 @@ class OriginWatch:
             return
         name = self._names.get(module, f"<{type(module).__name__}>")
         op = type(module).__name__
-        self._events.append((name, "forward", op, tensors[0].dtype, _flag(tensors)))
+        self._record((name, "forward", op, tensors[0].dtype, _flag(tensors)))
         if not stack and torch.is_grad_enabled():  # an outermost module: the loss follows
             for tensor in tensors:
                 if tensor.requires_grad:
                     self._charge(tensor, None, "loss", outside=True)
+
+    def _record(self, event):
+        self._events.append(event)
+        if len(self._events) >= _HELD:
+            self._read_held()
+
+    def _read_held(self):
+        """A skip on the last training step, then hours of evaluation: no step ends the watch,
+        and every module call adds a check. Read those held (one sync, only here): once one
+        is bad, keep it alone and stop watching (nothing later can come first); else drop
+        them, and the hooks of tensors that are gone, and go on watching."""
+        bad = _bad_events(self._events)
+        if bad:
+            first = min(bad)
+            self._events = [self._events[first]]
+            for handle in self._handles:
+                handle.remove()
+            self._handles, self._sites, self._hooked_params = [], {}, set()
+            return
+        self._events = []
+        self._sites = {key: entry for key, entry in self._sites.items() if entry[0]() is not None}
+        self._handles = [handle for handle in self._handles if handle.hooks_dict_ref() is not None]
 
     def _charge(self, tensor, name, op, outside):
         """Check `tensor`'s gradient when autograd computes it, charged to module `name`."""
@@ -260,16 +303,14 @@ class OriginWatch:
         self._sites[id(tensor)] = (weakref.ref(tensor), site)
 
         def check(grad):
-            if grad is not None and self.armed:
-                self._events.append((site.module, "backward", site.op, grad.dtype, _flag([grad])))
+            if grad is not None and self.armed and not self._paused:
+                self._record((site.module, "backward", site.op, grad.dtype, _flag([grad])))
 
         self._handles.append(tensor.register_hook(check))
 
 
-def _first_nonfinite(events):
-    """The Origin of the first event whose flag is set (one host read per device), or None."""
-    if not events:
-        return None
+def _bad_events(events):
+    """{index: "inf" or "nan"} of the events whose flag is set (one host read per device)."""
     by_device = {}
     for index, event in enumerate(events):
         by_device.setdefault(event[4].device, []).append(index)
@@ -279,6 +320,12 @@ def _first_nonfinite(events):
         for index, (inf, nan) in zip(indices, values):
             if inf or nan:
                 bad[index] = "inf" if inf else "nan"
+    return bad
+
+
+def _first_nonfinite(events):
+    """The Origin of the first event whose flag is set, or None."""
+    bad = _bad_events(events) if events else None
     if not bad:
         return None
     first = min(bad)

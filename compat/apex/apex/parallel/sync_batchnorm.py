@@ -45,8 +45,12 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         process_group=None,
         channel_last=False,
         fuse_relu=False,
+        device=None,
+        dtype=None,
     ):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype
+        )
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
@@ -117,6 +121,10 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
         module, torch.nn.modules.instancenorm._InstanceNorm
     ):
+        # On the layer's device and in its dtype, as apex (which took the layer's tensors): a
+        # model converted after .cuda() or .double() keeps working.
+        like = module.weight if module.affine else module.running_mean
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
         converted = SyncBatchNorm(
             module.num_features,
             module.eps,
@@ -125,14 +133,18 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
             module.track_running_stats,
             process_group,
             channel_last=channel_last,
+            **factory,
         )
         converted.running_mean = module.running_mean
         converted.running_var = module.running_var
         converted.num_batches_tracked = module.num_batches_tracked
         if module.affine:
             with torch.no_grad():
-                converted.weight.copy_(module.weight)
-                converted.bias.copy_(module.bias)
+                for name in ("weight", "bias"):
+                    # A frozen layer stays frozen: the optimizer built next must not train it.
+                    new, old = getattr(converted, name), getattr(module, name)
+                    new.copy_(old)
+                    new.requires_grad_(old.requires_grad)
         converted.train(module.training)
     for name, child in module.named_children():
         converted.add_module(name, convert_syncbn_model(child, process_group, channel_last))
