@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import amp
+from amp._state import amp_state
 
 AMP_DIR = os.path.dirname(amp.__file__)
 
@@ -114,3 +115,61 @@ def test_gradients_are_never_compared_with_equality(monkeypatch, opt_level):
         assert compared == []
     finally:
         amp.deinitialize()
+
+
+def _profile_calls(fn):
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    own = sum(counts[1] for (filename, _, _), counts in stats.items() if filename.startswith(AMP_DIR))
+    names = {name for (_, _, name) in stats}
+    # The profiler's own `disable` is counted once; leave it out.
+    return own, pstats.Stats(profile).total_calls - 1, names
+
+
+@pytest.mark.parametrize("region", ["autocast", "O1"])
+def test_a_patched_call_is_one_python_call_of_amp(region):
+    """A patched op with weights runs the wrapper alone in amp's code: the converter and the
+    weight-cast cache are inlined, and the compile test is one call (not is_compiling's two)."""
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    F = torch.nn.functional  # read at call time: amp patches F.linear when casting starts
+    if region == "O1":
+        layer = amp.initialize(layer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+        context = torch.enable_grad()
+    else:
+        context = amp.autocast(dtype=torch.bfloat16)
+    weight, bias = layer.weight, layer.bias
+    try:
+        with context:
+            amp_state.cast_cache.clear()
+            miss = _profile_calls(lambda: F.linear(x, weight, bias))
+            hit = _profile_calls(lambda: F.linear(x, weight, bias))
+            out = F.linear(x, weight, bias)
+    finally:
+        amp.deinitialize()
+    assert out.dtype == torch.bfloat16
+    for own, total, names in (miss, hit):
+        assert own == 1, own  # amp_wrapper
+        assert not names & {"is_compiling", "is_scripting", "convert", "cached_cast"}, names
+    # miss: the lambda, the wrapper, the compile test, three casts, the grad mode, a data_ptr
+    # per weight, the op; hit: the input's cast and a data_ptr check per weight instead.
+    assert miss[1] == 10, miss
+    assert hit[1] == 7, hit
+
+
+def test_the_export_flag_takes_the_compiled_path(monkeypatch):
+    """torch.export's non-Dynamo tracing sets torch.compiler._is_compiling_flag: the wrappers
+    then cast without the weight-cast cache, as under Dynamo."""
+    layer = torch.nn.Linear(4, 4)
+    with amp.autocast(dtype=torch.bfloat16):
+        amp_state.cast_cache.clear()
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+        traced = torch.nn.functional.linear(torch.randn(2, 4), layer.weight, layer.bias)
+        assert len(amp_state.cast_cache) == 0
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+        eager = torch.nn.functional.linear(torch.randn(2, 4), layer.weight, layer.bias)
+        assert len(amp_state.cast_cache) == 2
+    assert traced.dtype == eager.dtype == torch.bfloat16
