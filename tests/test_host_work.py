@@ -173,3 +173,106 @@ def test_the_export_flag_takes_the_compiled_path(monkeypatch):
         eager = torch.nn.functional.linear(torch.randn(2, 4), layer.weight, layer.bias)
         assert len(amp_state.cast_cache) == 2
     assert traced.dtype == eager.dtype == torch.bfloat16
+
+
+def _step_calls(fn):
+    for _ in range(3):
+        fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
+def _scaling_calls(opt_level):
+    """Python calls amp's zero_grad + scale_loss + step add to a plain step (forward, backward and
+    SGD's own step left out), and those torch.amp.GradScaler's scale / unscale_ / step / update
+    add, at 10 parameter tensors."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    x = torch.randn(4, 8)
+    model, optimizer = make()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def plain():
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    def torch_path():
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+
+    def forward():
+        model(x).square().mean()
+
+    base = _step_calls(plain)
+    torch_adds = _step_calls(torch_path) - base
+    backward_and_step = base - _step_calls(forward)
+    model, optimizer = make()
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0
+    )
+
+    def amp_path():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).float().square().mean()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+
+    def amp_forward():  # O1's weight casts are made anew, as in amp_path
+        amp_state.cast_cache.clear()
+        model(x).float().square().mean()
+
+    try:
+        amp_adds = _step_calls(amp_path) - (_step_calls(amp_forward) - 1) - backward_and_step
+    finally:
+        amp.deinitialize()
+    return amp_adds, torch_adds
+
+
+@pytest.mark.parametrize("opt_level", ["O1"])
+def test_loss_scaling_costs_no_more_calls_than_torchs_grad_scaler(opt_level):
+    """At 10 parameter tensors, amp's scale_loss + step make no more Python calls than torch's
+    GradScaler: the kernels' one-device path, the scaler's tensors read without a call,
+    is_distributed() without torch.distributed's three calls."""
+    amp_adds, torch_adds = _scaling_calls(opt_level)
+    assert amp_adds <= torch_adds, (amp_adds, torch_adds)
+
+
+def test_unscaling_tensors_on_one_device_is_one_backend_call():
+    from amp import kernels
+
+    tensors = [torch.full((3,), 4.0) for _ in range(10)]
+    found_inf = torch.zeros(())
+    inv_scale = torch.full((), 0.5)
+    own, _, names = _profile_calls(lambda: kernels.unscale_(tensors, inv_scale, found_inf))
+    assert own == 3, names  # unscale_, _flagged, the backend's unscale_
+    assert all(torch.equal(t, torch.full((3,), 2.0)) for t in tensors)
+    assert found_inf.item() == 0.0
+    tensors[3][1] = float("inf")
+    kernels.unscale_(tensors, inv_scale, found_inf)
+    assert found_inf.item() == 1.0
+
+
+def test_is_distributed_reads_the_default_group_now(monkeypatch):
+    """Cheap (one Python call past itself) and never cached: a process group made later counts."""
+    from amp.compat import distributed
+
+    _, total, _ = _profile_calls(distributed.is_distributed)
+    assert total == 2, total  # is_distributed, the default group's property
+    assert not distributed.is_distributed()
+    world = torch.distributed.distributed_c10d._world
+    monkeypatch.setattr(world, "_default_pg", object())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert distributed.is_distributed()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert not distributed.is_distributed()

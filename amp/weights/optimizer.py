@@ -81,8 +81,9 @@ class OptimizerRecord(MasterWeights):
         if overflowed:
             self.skips.skip(overflowed)
             return None
-        self.follow_external_writes()  # a write to the model since backward (a mask) is kept
-        self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
+        if self.models:  # O2/O3 (two calls fewer per step at O1)
+            self.follow_external_writes()  # a write to the model since backward (a mask) is kept
+            self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
         # runs every step, and a generator context manager costs six Python calls).
         thread = amp_state.thread
