@@ -276,3 +276,32 @@ def test_is_distributed_reads_the_default_group_now(monkeypatch):
     assert distributed.is_distributed()
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
     assert not distributed.is_distributed()
+
+
+def test_the_weight_cast_cache_is_cleared_only_when_filled():
+    """Every store into the weight-cast cache (the wrappers' inlined path and the cache's own
+    function) marks it filled, so that scale_loss and step clear it; with nothing cast they make
+    no call to clear."""
+    cache = amp_state.cast_cache
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer, optimizer = amp.initialize(
+        layer, optimizer, opt_level="O1", dtype=torch.bfloat16, verbosity=0
+    )
+    F = torch.nn.functional
+    try:
+        cache.clear()
+        F.linear(torch.randn(2, 4), layer.weight, layer.bias)  # the wrappers' inlined path
+        assert cache.filled and len(cache) == 2
+        cache.clear()
+        assert not cache.filled and len(cache) == 0
+        F.linear(torch.randn(2, 4), layer.weight, bias=layer.bias)  # keywords: the converter
+        assert cache.filled and len(cache) == 2
+        loss = layer(torch.randn(2, 4)).float().sum()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            assert not cache.filled and len(cache) == 0  # the casts go before backward
+            scaled.backward()
+        _, _, names = _profile_calls(optimizer.step)
+        assert "clear" not in names  # nothing was cast since
+    finally:
+        amp.deinitialize()

@@ -152,11 +152,12 @@ class CastPolicy:
 
 
 class FastCast(tuple):
-    """(cast, sources, on_cuda, entries, cached_cast, convert): one converter's settings, unpacked
-    by the wrappers in one step. `cast` is the cast method to the target, `sources` the dtypes cast,
-    `on_cuda` None (every device), True (CUDA tensors only) or False (CPU tensors only), `entries`
-    the weight-cast cache's dict for the target (None: no cache), `cached_cast` its function,
-    `convert` the converter itself (for nested sequences)."""
+    """(cast, sources, on_cuda, cache, entries, cached_cast, convert): one converter's settings,
+    unpacked by the wrappers in one step. `cast` is the cast method to the target, `sources` the
+    dtypes cast, `on_cuda` None (every device), True (CUDA tensors only) or False (CPU tensors
+    only), `cache` the weight-cast cache (None: none), `entries` its dict for the target (a
+    wrapper storing an entry there sets `cache.filled`), `cached_cast` its function, `convert` the
+    converter itself (for nested sequences)."""
 
     __slots__ = ()
 
@@ -166,7 +167,8 @@ class FastCast(tuple):
         if cache is not None:
             entries = cache.entries_for(target)
             cached_cast = cache.get_cast(target)
-        return tuple.__new__(cls, (_CAST_METHODS[target], sources, on_cuda, entries, cached_cast, convert))
+        fields = (_CAST_METHODS[target], sources, on_cuda, cache, entries, cached_cast, convert)
+        return tuple.__new__(cls, fields)
 
 
 def _chain(first, second):
@@ -219,13 +221,17 @@ class WeightCastCache:
         # (through its autograd node), and it rules out a recycled address while the entry exists.
         self._entries = {dtype: {} for dtype in CASTABLE}
         self._all = tuple(self._entries.values())
+        # True once an entry may have been stored since the last clear: the hot callers test it
+        # (an attribute) before calling clear, which then costs nothing on steps with no casts.
+        self.filled = False
 
     def __len__(self):
         return sum(map(len, self._entries.values()))
 
     def entries_for(self, dtype):
-        """The dict of entries for casts to `dtype`: {weight._cdata: (weight, version, data_ptr, cast)}.
-        The same dict for the cache's lifetime (`clear` empties it in place)."""
+        """The dict of entries for casts to `dtype`, {weight._cdata: (weight, version, data_ptr,
+        cast)}: the same dict for the cache's lifetime (`clear` empties it in place). Whoever
+        stores an entry there sets `filled`."""
         return self._entries[dtype]
 
     def get_cast(self, dtype):
@@ -255,14 +261,16 @@ class WeightCastCache:
                 with torch.enable_grad():
                     result = cast(tensor)
             entries[key] = (tensor, tensor._version, data_ptr(tensor), result)
+            self.filled = True
             return result
 
         return cached_cast
 
     def clear(self):
-        for entries in self._all:  # runs several times a step, mostly on empty dicts
+        for entries in self._all:
             if entries:
                 entries.clear()
+        self.filled = False
 
 
 amp_state.cast_cache = WeightCastCache()
@@ -277,8 +285,15 @@ def cast_tree(value, dtype, device_filter=None):
     Container types are preserved, and an unchanged value is returned as the same object.
     """
     # It runs on a model's inputs and outputs every forward: plain loops, no comprehensions or
-    # generators (a Python frame each), and C-level identity checks.
-    if isinstance(value, _Tensor):
+    # generators (a Python frame each), and C-level identity checks (the usual classes first,
+    # read without a call to isinstance).
+    cls = value.__class__
+    if cls is tuple:
+        items = _cast_items(value, dtype, device_filter)
+        return value if items is None else tuple(items)
+    if cls is dict and not value:
+        return value
+    if cls is _Tensor or cls is _Parameter or isinstance(value, _Tensor):
         if value.dtype in CASTABLE and value.dtype is not dtype:
             if device_filter is None or device_filter(value):
                 return value.to(dtype)
@@ -320,10 +335,16 @@ _ATOMS = (str, bytes, int, float, bool, torch.dtype)
 
 def _cast_items(values, dtype, device_filter):
     """[cast_tree(value) for each of `values`], or None when every one comes back unchanged."""
-    items = []
+    items = None  # made at the first change: no list and no call while nothing changes
+    index = -1
     for value in values:
-        items.append(cast_tree(value, dtype, device_filter))
-    return None if all(map(operator.is_, items, values)) else items
+        index += 1
+        item = cast_tree(value, dtype, device_filter)
+        if item is not value:
+            if items is None:
+                items = list(values)
+            items[index] = item
+    return items
 
 
 def _rebuild_mapping(original, items):

@@ -196,7 +196,7 @@ def make_wrapper(original, kind, name, message=None):
                 # The common call, the policy's converter and the weight-cast cache inlined (the
                 # same rules as casts._converter and WeightCastCache.get_cast): it runs for every
                 # patched op of a model, and each Python call here is host time per op.
-                cast, sources, on_cuda, entries, cached_cast, convert = fast
+                cast, sources, on_cuda, cache, entries, cached_cast, convert = fast
                 new_args = None
                 grad = None
                 index = -1
@@ -205,7 +205,11 @@ def make_wrapper(original, kind, name, message=None):
                     value_class = value.__class__
                     if value_class in PLAIN_ARGUMENTS:
                         continue
-                    if value_class is _Parameter or value_class is _Tensor or isinstance(value, _Tensor):
+                    if (
+                        value_class is _Parameter
+                        or value_class is _Tensor
+                        or isinstance(value, _Tensor)
+                    ):
                         dtype = value.dtype
                         if dtype not in sources:
                             continue
@@ -213,7 +217,12 @@ def make_wrapper(original, kind, name, message=None):
                             continue
                         if new_args is None:
                             new_args = list(args)
-                        if entries is None or dtype is not _float32 or not value.requires_grad or not value.is_leaf:
+                        if (
+                            entries is None
+                            or dtype is not _float32
+                            or not value.requires_grad
+                            or not value.is_leaf
+                        ):
                             new_args[index] = cast(value)
                             continue
                         key = value._cdata  # no call, unlike id() and dict.get
@@ -231,6 +240,7 @@ def make_wrapper(original, kind, name, message=None):
                         if grad:
                             result = new_args[index] = cast(value)
                             entries[key] = (value, value._version, _data_ptr(value), result)
+                            cache.filled = True
                         else:  # under no_grad or inference mode: the cache's own rules
                             new_args[index] = cached_cast(value)
                     elif value_class in SEQUENCES:

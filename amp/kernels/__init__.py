@@ -81,19 +81,11 @@ def _by_device(*lists):
     ]
 
 
-def _one_device(tensors):
-    """The device of `tensors` when they all sit on one, else None. Python calls: none but the
-    set's `len` (it runs for every list amp unscales or copies, every step)."""
-    if len({*map(_get_device, tensors)}) == 1:
-        return tensors[0].device
-    return None
-
-
 def _flagged(name, lists, inv_scale, found_inf):
     """Run backend function `name`(*lists, inv_scale, flag) per device, collecting every flag in
     found_inf."""
     first = lists[0]
-    # All on the flag's device (the common case, in few calls): _one_device, inlined.
+    # All on the flag's device (the common case): no Python call but the set's `len`.
     if len({*map(_get_device, first)}) == 1 and first[0].device == found_inf.device:
         device = found_inf.device
         module = cuda_backend().module if device.type == "cuda" else _torch_backend
@@ -158,9 +150,11 @@ def copy_(sources, destinations, *, check=True):
     if sources:
         if check:
             _check_parallel(sources, destinations)
-        device = _one_device(sources)
-        if device is not None:
-            _backend(device).copy_(sources, destinations)
+        if len({*map(_get_device, sources)}) == 1:  # one device, as in _flagged
+            device = sources[0].device
+            (cuda_backend().module if device.type == "cuda" else _torch_backend).copy_(
+                sources, destinations
+            )
             return
         for device, (src, dst) in _by_device(sources, destinations):
             _backend(device).copy_(src, dst)

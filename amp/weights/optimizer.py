@@ -104,7 +104,8 @@ class OptimizerRecord(MasterWeights):
             self.remember_versions()
             # No model.zero_grad() reaches these (apex did the same).
             set_each(self.masters, "grad", itertools.repeat(None))
-        amp_state.cast_cache.clear()  # the weights changed
+        if amp_state.cast_cache.filled:
+            amp_state.cast_cache.clear()  # the weights changed
         return result
 
     # -- the rest of the optimizer API --------------------------------------------------------
