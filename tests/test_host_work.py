@@ -305,3 +305,15 @@ def test_the_weight_cast_cache_is_cleared_only_when_filled():
         assert "clear" not in names  # nothing was cast since
     finally:
         amp.deinitialize()
+
+
+def test_a_patched_call_without_weights_makes_no_compile_test():
+    """The compile test guards the weight-cast cache only: an op on activations runs the wrapper,
+    its casts and the op, nothing else (Dynamo traces that path as plain code)."""
+    a, b = torch.randn(2, 4), torch.randn(4, 3)
+    with amp.autocast(dtype=torch.bfloat16):
+        own, total, names = _profile_calls(lambda: torch.mm(a, b))
+        out = torch.mm(a, b)
+    assert out.dtype == torch.bfloat16
+    assert own == 1 and "is_dynamo_compiling" not in names, names
+    assert total == 5, names  # the lambda, the wrapper, two casts, mm

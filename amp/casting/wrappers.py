@@ -188,17 +188,17 @@ def make_wrapper(original, kind, name, message=None):
             if thread.trace is None:
                 return original(*args, **kwargs)
             return traced_call(original, name, kind, None, None, args, kwargs)
-        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
-            return compiled_call(original, kind, name, message, policy, args, kwargs)
         if slot is not None and not kwargs and thread.trace is None:
             fast = policy.fast[slot]
             if fast is not None:
                 # The common call, the policy's converter and the weight-cast cache inlined (the
                 # same rules as casts._converter and WeightCastCache.get_cast): it runs for every
-                # patched op of a model, and each Python call here is host time per op.
+                # patched op of a model, and each Python call here is host time per op. Dynamo
+                # traces it as plain code; the compile test (see _compiler) runs only where the
+                # cache would be used, which the compiled path goes without.
                 cast, sources, on_cuda, cache, entries, cached_cast, convert = fast
                 new_args = None
-                grad = None
+                grad = compiling = None
                 index = -1
                 for value in args:
                     index += 1
@@ -225,6 +225,11 @@ def make_wrapper(original, kind, name, message=None):
                         ):
                             new_args[index] = cast(value)
                             continue
+                        if compiling is None:
+                            compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
+                        if compiling:
+                            new_args[index] = cast(value)
+                            continue
                         key = value._cdata  # no call, unlike id() and dict.get
                         if key in entries:
                             entry = entries[key]
@@ -249,6 +254,8 @@ def make_wrapper(original, kind, name, message=None):
                                 break
                         else:
                             continue
+                        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
+                            return compiled_call(original, kind, name, message, policy, args, {})
                         try:
                             inner = convert(value)
                         except ExplicitDtype:
@@ -260,6 +267,8 @@ def make_wrapper(original, kind, name, message=None):
                     elif value_class is _dtype:
                         return original(*args)  # the call names its dtype: it runs as asked
                 return original(*args) if new_args is None else original(*new_args)
+        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
+            return compiled_call(original, kind, name, message, policy, args, kwargs)
         if kwargs and ("out" in kwargs or kwargs.get("dtype") is not None):
             new = None
         else:
