@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import amp
+from amp._state import amp_state
 
 AMP_DIR = os.path.dirname(amp.__file__)
 
@@ -114,3 +115,205 @@ def test_gradients_are_never_compared_with_equality(monkeypatch, opt_level):
         assert compared == []
     finally:
         amp.deinitialize()
+
+
+def _profile_calls(fn):
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    own = sum(counts[1] for (filename, _, _), counts in stats.items() if filename.startswith(AMP_DIR))
+    names = {name for (_, _, name) in stats}
+    # The profiler's own `disable` is counted once; leave it out.
+    return own, pstats.Stats(profile).total_calls - 1, names
+
+
+@pytest.mark.parametrize("region", ["autocast", "O1"])
+def test_a_patched_call_is_one_python_call_of_amp(region):
+    """A patched op with weights runs the wrapper alone in amp's code: the converter and the
+    weight-cast cache are inlined, and the compile test is one call (not is_compiling's two)."""
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    F = torch.nn.functional  # read at call time: amp patches F.linear when casting starts
+    if region == "O1":
+        layer = amp.initialize(layer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+        context = torch.enable_grad()
+    else:
+        context = amp.autocast(dtype=torch.bfloat16)
+    weight, bias = layer.weight, layer.bias
+    try:
+        with context:
+            amp_state.cast_cache.clear()
+            miss = _profile_calls(lambda: F.linear(x, weight, bias))
+            hit = _profile_calls(lambda: F.linear(x, weight, bias))
+            out = F.linear(x, weight, bias)
+    finally:
+        amp.deinitialize()
+    assert out.dtype == torch.bfloat16
+    for own, total, names in (miss, hit):
+        assert own == 1, own  # amp_wrapper
+        assert not names & {"is_compiling", "is_scripting", "convert", "cached_cast"}, names
+    # miss: the lambda, the wrapper, the compile test, three casts, the grad mode, a data_ptr
+    # per weight, the op; hit: the input's cast and a data_ptr check per weight instead.
+    assert miss[1] == 10, miss
+    assert hit[1] == 7, hit
+
+
+def test_the_export_flag_takes_the_compiled_path(monkeypatch):
+    """torch.export's non-Dynamo tracing sets torch.compiler._is_compiling_flag: the wrappers
+    then cast without the weight-cast cache, as under Dynamo."""
+    layer = torch.nn.Linear(4, 4)
+    with amp.autocast(dtype=torch.bfloat16):
+        amp_state.cast_cache.clear()
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+        traced = torch.nn.functional.linear(torch.randn(2, 4), layer.weight, layer.bias)
+        assert len(amp_state.cast_cache) == 0
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+        eager = torch.nn.functional.linear(torch.randn(2, 4), layer.weight, layer.bias)
+        assert len(amp_state.cast_cache) == 2
+    assert traced.dtype == eager.dtype == torch.bfloat16
+
+
+def _step_calls(fn):
+    for _ in range(3):
+        fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
+def _scaling_calls(opt_level):
+    """Python calls amp's zero_grad + scale_loss + step add to a plain step (forward, backward and
+    SGD's own step left out), and those torch.amp.GradScaler's scale / unscale_ / step / update
+    add, at 10 parameter tensors."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    x = torch.randn(4, 8)
+    model, optimizer = make()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def plain():
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    def torch_path():
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+
+    def forward():
+        model(x).square().mean()
+
+    base = _step_calls(plain)
+    torch_adds = _step_calls(torch_path) - base
+    backward_and_step = base - _step_calls(forward)
+    model, optimizer = make()
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0
+    )
+
+    def amp_path():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).float().square().mean()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+
+    def amp_forward():  # O1's weight casts are made anew, as in amp_path
+        amp_state.cast_cache.clear()
+        model(x).float().square().mean()
+
+    try:
+        amp_adds = _step_calls(amp_path) - (_step_calls(amp_forward) - 1) - backward_and_step
+    finally:
+        amp.deinitialize()
+    return amp_adds, torch_adds
+
+
+@pytest.mark.parametrize("opt_level", ["O1"])
+def test_loss_scaling_costs_no_more_calls_than_torchs_grad_scaler(opt_level):
+    """At 10 parameter tensors, amp's scale_loss + step make no more Python calls than torch's
+    GradScaler: the kernels' one-device path, the scaler's tensors read without a call,
+    is_distributed() without torch.distributed's three calls."""
+    amp_adds, torch_adds = _scaling_calls(opt_level)
+    assert amp_adds <= torch_adds, (amp_adds, torch_adds)
+
+
+def test_unscaling_tensors_on_one_device_is_one_backend_call():
+    from amp import kernels
+
+    tensors = [torch.full((3,), 4.0) for _ in range(10)]
+    found_inf = torch.zeros(())
+    inv_scale = torch.full((), 0.5)
+    own, _, names = _profile_calls(lambda: kernels.unscale_(tensors, inv_scale, found_inf))
+    assert own == 3, names  # unscale_, _flagged, the backend's unscale_
+    assert all(torch.equal(t, torch.full((3,), 2.0)) for t in tensors)
+    assert found_inf.item() == 0.0
+    tensors[3][1] = float("inf")
+    kernels.unscale_(tensors, inv_scale, found_inf)
+    assert found_inf.item() == 1.0
+
+
+def test_is_distributed_reads_the_default_group_now(monkeypatch):
+    """Cheap (one Python call past itself) and never cached: a process group made later counts."""
+    from amp.compat import distributed
+
+    _, total, _ = _profile_calls(distributed.is_distributed)
+    assert total == 2, total  # is_distributed, the default group's property
+    assert not distributed.is_distributed()
+    world = torch.distributed.distributed_c10d._world
+    monkeypatch.setattr(world, "_default_pg", object())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert distributed.is_distributed()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert not distributed.is_distributed()
+
+
+def test_the_weight_cast_cache_is_cleared_only_when_filled():
+    """Every store into the weight-cast cache (the wrappers' inlined path and the cache's own
+    function) marks it filled, so that scale_loss and step clear it; with nothing cast they make
+    no call to clear."""
+    cache = amp_state.cast_cache
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer, optimizer = amp.initialize(
+        layer, optimizer, opt_level="O1", dtype=torch.bfloat16, verbosity=0
+    )
+    F = torch.nn.functional
+    try:
+        cache.clear()
+        F.linear(torch.randn(2, 4), layer.weight, layer.bias)  # the wrappers' inlined path
+        assert cache.filled and len(cache) == 2
+        cache.clear()
+        assert not cache.filled and len(cache) == 0
+        F.linear(torch.randn(2, 4), layer.weight, bias=layer.bias)  # keywords: the converter
+        assert cache.filled and len(cache) == 2
+        loss = layer(torch.randn(2, 4)).float().sum()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            assert not cache.filled and len(cache) == 0  # the casts go before backward
+            scaled.backward()
+        _, _, names = _profile_calls(optimizer.step)
+        assert "clear" not in names  # nothing was cast since
+    finally:
+        amp.deinitialize()
+
+
+def test_a_patched_call_without_weights_makes_no_compile_test():
+    """The compile test guards the weight-cast cache only: an op on activations runs the wrapper,
+    its casts and the op, nothing else (Dynamo traces that path as plain code)."""
+    a, b = torch.randn(2, 4), torch.randn(4, 3)
+    with amp.autocast(dtype=torch.bfloat16):
+        own, total, names = _profile_calls(lambda: torch.mm(a, b))
+        out = torch.mm(a, b)
+    assert out.dtype == torch.bfloat16
+    assert own == 1 and "is_dynamo_compiling" not in names, names
+    assert total == 5, names  # the lambda, the wrapper, two casts, mm

@@ -43,7 +43,7 @@ _dtype = torch.dtype
 _float32 = torch.float32
 SEQUENCES = (list, tuple)  # the containers patched calls are searched for tensors
 _Parameter = torch.nn.Parameter
-_PLAIN_ARGUMENTS = frozenset((int, float, bool, str, type(None), slice))  # never cast, never hold
+PLAIN_ARGUMENTS = frozenset((int, float, bool, str, type(None), slice))  # never cast, never hold
 
 
 def _converter(target, sources, device_filter, cache):
@@ -61,7 +61,7 @@ def _converter(target, sources, device_filter, cache):
         for value in values:
             index += 1
             kind = value.__class__
-            if kind in _PLAIN_ARGUMENTS:
+            if kind in PLAIN_ARGUMENTS:
                 continue  # ints, floats, None...: read without a call to isinstance
             if kind is _Parameter or kind is _Tensor or isinstance(value, _Tensor):
                 dtype = value.dtype
@@ -98,10 +98,12 @@ class CastPolicy:
     `cpu` and `cuda` are the dtypes for tensors on those devices; when both are the same dtype
     the policy casts tensors on every device (meta tensors included). `cache_enabled` allows reuse
     of weight casts through the cache. `to_low` and `to_fp32` are the argument converters (see
-    `_converter`) of the policy; `device_filter` accepts the tensors the policy casts.
+    `_converter`) of the policy; `device_filter` accepts the tensors the policy casts. `fast` holds
+    what the patched-call wrappers inline instead of calling a converter (see `FastCast`), for
+    lower-precision and FP32 calls in that order; None for a different dtype per device.
     """
 
-    __slots__ = ("cpu", "cuda", "cache_enabled", "device_filter", "to_low", "to_fp32")
+    __slots__ = ("cpu", "cuda", "cache_enabled", "device_filter", "to_low", "to_fp32", "fast")
 
     def __init__(self, cpu, cuda, cache_enabled=True):
         self.cpu = cpu
@@ -122,6 +124,14 @@ class CastPolicy:
                 _converter(cpu, CASTABLE - {cpu}, _is_cpu, cache),
             )
         self.to_fp32 = _converter(_float32, LOW_PRECISION, self.device_filter, None)
+        if cpu is not cuda and cpu is not None and cuda is not None:
+            self.fast = (None, None)
+        else:
+            on_cuda = None if self.device_filter is None else cpu is None
+            self.fast = (
+                FastCast(cpu or cuda, on_cuda, cache, self.to_low),
+                FastCast(_float32, on_cuda, None, self.to_fp32),
+            )
 
     def dtype_for(self, device_type):
         """The dtype amp casts to on `device_type`, or None where it casts nothing."""
@@ -139,6 +149,26 @@ class CastPolicy:
 
     def __repr__(self):
         return f"CastPolicy(cpu={self.cpu}, cuda={self.cuda}, cache_enabled={self.cache_enabled})"
+
+
+class FastCast(tuple):
+    """(cast, sources, on_cuda, cache, entries, cached_cast, convert): one converter's settings,
+    unpacked by the wrappers in one step. `cast` is the cast method to the target, `sources` the
+    dtypes cast, `on_cuda` None (every device), True (CUDA tensors only) or False (CPU tensors
+    only), `cache` the weight-cast cache (None: none), `entries` its dict for the target (a
+    wrapper storing an entry there sets `cache.filled`), `cached_cast` its function, `convert` the
+    converter itself (for nested sequences)."""
+
+    __slots__ = ()
+
+    def __new__(cls, target, on_cuda, cache, convert):
+        sources = LOW_PRECISION if target is _float32 else CASTABLE - {target}
+        entries = cached_cast = None
+        if cache is not None:
+            entries = cache.entries_for(target)
+            cached_cast = cache.get_cast(target)
+        fields = (_CAST_METHODS[target], sources, on_cuda, cache, entries, cached_cast, convert)
+        return tuple.__new__(cls, fields)
 
 
 def _chain(first, second):
@@ -185,31 +215,39 @@ class WeightCastCache:
     """
 
     def __init__(self):
-        # dtype -> {id(weight): (the weight, its version, its data_ptr, the cast)}. Holding the
-        # weight keeps nothing alive that the cast does not already hold (through its autograd
-        # node), and it rules out a recycled id while the entry exists.
+        # dtype -> {weight._cdata: (the weight, its version, its data_ptr, the cast)}. `_cdata`
+        # (the address of the weight's TensorImpl, an attribute: no call) is unique among live
+        # tensors; holding the weight keeps nothing alive that the cast does not already hold
+        # (through its autograd node), and it rules out a recycled address while the entry exists.
         self._entries = {dtype: {} for dtype in CASTABLE}
         self._all = tuple(self._entries.values())
+        # True once an entry may have been stored since the last clear: the hot callers test it
+        # (an attribute) before calling clear, which then costs nothing on steps with no casts.
+        self.filled = False
 
     def __len__(self):
         return sum(map(len, self._entries.values()))
+
+    def entries_for(self, dtype):
+        """The dict of entries for casts to `dtype`, {weight._cdata: (weight, version, data_ptr,
+        cast)}: the same dict for the cache's lifetime (`clear` empties it in place). Whoever
+        stores an entry there sets `filled`."""
+        return self._entries[dtype]
 
     def get_cast(self, dtype):
         """The function tensor -> its cast to `dtype`, through the cache."""
         entries = self._entries[dtype]
         cast = _CAST_METHODS[dtype]
-        version_of = _TensorBase._version.__get__
         data_ptr = _TensorBase.data_ptr
         is_grad_enabled = torch.is_grad_enabled
 
         def cached_cast(tensor):
-            key = id(tensor)
-            entry = entries.get(key)
-            if entry is not None:
-                weight, version, pointer, result = entry
+            key = tensor._cdata
+            if key in entries:
+                weight, version, pointer, result = entries[key]
                 if (
                     weight is tensor
-                    and version_of(tensor) == version
+                    and tensor._version == version
                     and data_ptr(tensor) == pointer
                 ):
                     return result
@@ -222,15 +260,17 @@ class WeightCastCache:
                 # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
                 with torch.enable_grad():
                     result = cast(tensor)
-            entries[key] = (tensor, version_of(tensor), data_ptr(tensor), result)
+            entries[key] = (tensor, tensor._version, data_ptr(tensor), result)
+            self.filled = True
             return result
 
         return cached_cast
 
     def clear(self):
-        for entries in self._all:  # runs several times a step, mostly on empty dicts
+        for entries in self._all:
             if entries:
                 entries.clear()
+        self.filled = False
 
 
 amp_state.cast_cache = WeightCastCache()
@@ -245,8 +285,15 @@ def cast_tree(value, dtype, device_filter=None):
     Container types are preserved, and an unchanged value is returned as the same object.
     """
     # It runs on a model's inputs and outputs every forward: plain loops, no comprehensions or
-    # generators (a Python frame each), and C-level identity checks.
-    if isinstance(value, _Tensor):
+    # generators (a Python frame each), and C-level identity checks (the usual classes first,
+    # read without a call to isinstance).
+    cls = value.__class__
+    if cls is tuple:
+        items = _cast_items(value, dtype, device_filter)
+        return value if items is None else tuple(items)
+    if cls is dict and not value:
+        return value
+    if cls is _Tensor or cls is _Parameter or isinstance(value, _Tensor):
         if value.dtype in CASTABLE and value.dtype is not dtype:
             if device_filter is None or device_filter(value):
                 return value.to(dtype)
@@ -288,10 +335,16 @@ _ATOMS = (str, bytes, int, float, bool, torch.dtype)
 
 def _cast_items(values, dtype, device_filter):
     """[cast_tree(value) for each of `values`], or None when every one comes back unchanged."""
-    items = []
+    items = None  # made at the first change: no list and no call while nothing changes
+    index = -1
     for value in values:
-        items.append(cast_tree(value, dtype, device_filter))
-    return None if all(map(operator.is_, items, values)) else items
+        index += 1
+        item = cast_tree(value, dtype, device_filter)
+        if item is not value:
+            if items is None:
+                items = list(values)
+            items[index] = item
+    return items
 
 
 def _rebuild_mapping(original, items):

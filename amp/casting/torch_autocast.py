@@ -58,6 +58,8 @@ class _TorchRegion:
     cache_enabled = property(lambda self: self._ask("cache_enabled", True))
     device_filter = property(lambda self: self._ask("device_filter", _nothing))
 
+    fast = (None, None)  # the wrappers call to_low / to_fp32 below: they answer as of now
+
     def to_low(self, values):
         return self._ask("to_low", None, values)
 

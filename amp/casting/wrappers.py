@@ -7,21 +7,28 @@ functions and Tensor methods alike.
 """
 
 import functools
-import operator
 
 import torch
 
 from .._state import INHERIT, ThreadState, amp_state
 from ..lists import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
-from .casts import CASTABLE, LOW_PRECISION, SEQUENCES, ExplicitDtype
+from .casts import CASTABLE, LOW_PRECISION, PLAIN_ARGUMENTS, SEQUENCES, ExplicitDtype
 from .patching import ORIGINAL_ATTRIBUTE
 from .trace import traced_call
 
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _dtype = torch.dtype
 _float32 = torch.float32
-is_compiling = torch.compiler.is_compiling
+_data_ptr = torch._C.TensorBase.data_ptr
+_is_grad_enabled = torch.is_grad_enabled
+# `torch.compiler.is_compiling()` is `False if torch.jit.is_scripting() else _is_compiling_flag`
+# eagerly (two calls; a wrapper is never scripted) and a constant True under Dynamo, as is
+# `is_dynamo_compiling()`; the flag covers torch.export's non-Dynamo tracing. Read in this order,
+# the test costs one call eagerly, and Dynamo never reads (so never guards on) the flag.
+_compiler = torch.compiler
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _cast_arguments(convert, args, kwargs):
@@ -107,11 +114,9 @@ CASTERS = {
 }
 
 
-# The converter each kind applies, for the fast path of calls without keyword arguments.
-_FAST_CONVERTERS = {
-    LOWER_PRECISION: operator.attrgetter("to_low"),
-    FP32: operator.attrgetter("to_fp32"),
-}
+# Where a policy's `fast` settings sit for each kind (casts.FastCast), for the inlined path of
+# calls without keyword arguments.
+_FAST_SLOTS = {LOWER_PRECISION: 0, FP32: 1}
 
 
 def _traceable_cast(values, target_of):
@@ -169,7 +174,7 @@ def make_wrapper(original, kind, name, message=None):
     names its dtype (`dtype=` or positionally): an explicit dtype runs as asked.
     """
     caster = refuse_low_precision(name, message) if kind == BANNED else CASTERS[kind]
-    converter_of = _FAST_CONVERTERS.get(kind)
+    slot = _FAST_SLOTS.get(kind)
     thread = amp_state.thread
     state = amp_state
 
@@ -183,15 +188,87 @@ def make_wrapper(original, kind, name, message=None):
             if thread.trace is None:
                 return original(*args, **kwargs)
             return traced_call(original, name, kind, None, None, args, kwargs)
-        if is_compiling():  # constant under Dynamo, so this branch costs nothing compiled
-            return compiled_call(original, kind, name, message, policy, args, kwargs)
-        if not kwargs and converter_of is not None and thread.trace is None:
-            # The common call, kept short: it runs for every patched op of a model.
-            try:
-                new_args = converter_of(policy)(args)
-            except ExplicitDtype:
+        if slot is not None and not kwargs and thread.trace is None:
+            fast = policy.fast[slot]
+            if fast is not None:
+                # The common call, the policy's converter and the weight-cast cache inlined (the
+                # same rules as casts._converter and WeightCastCache.get_cast): it runs for every
+                # patched op of a model, and each Python call here is host time per op. Dynamo
+                # traces it as plain code; the compile test (see _compiler) runs only where the
+                # cache would be used, which the compiled path goes without.
+                cast, sources, on_cuda, cache, entries, cached_cast, convert = fast
                 new_args = None
-            return original(*args) if new_args is None else original(*new_args)
+                grad = compiling = None
+                index = -1
+                for value in args:
+                    index += 1
+                    value_class = value.__class__
+                    if value_class in PLAIN_ARGUMENTS:
+                        continue
+                    if (
+                        value_class is _Parameter
+                        or value_class is _Tensor
+                        or isinstance(value, _Tensor)
+                    ):
+                        dtype = value.dtype
+                        if dtype not in sources:
+                            continue
+                        if on_cuda is not None and value.is_cuda is not on_cuda:
+                            continue
+                        if new_args is None:
+                            new_args = list(args)
+                        if (
+                            entries is None
+                            or dtype is not _float32
+                            or not value.requires_grad
+                            or not value.is_leaf
+                        ):
+                            new_args[index] = cast(value)
+                            continue
+                        if compiling is None:
+                            compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
+                        if compiling:
+                            new_args[index] = cast(value)
+                            continue
+                        key = value._cdata  # no call, unlike id() and dict.get
+                        if key in entries:
+                            entry = entries[key]
+                            if (
+                                entry[0] is value
+                                and entry[1] == value._version
+                                and entry[2] == _data_ptr(value)
+                            ):
+                                new_args[index] = entry[3]
+                                continue
+                        if grad is None:
+                            grad = _is_grad_enabled()
+                        if grad:
+                            result = new_args[index] = cast(value)
+                            entries[key] = (value, value._version, _data_ptr(value), result)
+                            cache.filled = True
+                        else:  # under no_grad or inference mode: the cache's own rules
+                            new_args[index] = cached_cast(value)
+                    elif value_class in SEQUENCES:
+                        for item in value:  # sizes and the like: nothing to cast, no call
+                            if item.__class__ not in PLAIN_ARGUMENTS:
+                                break
+                        else:
+                            continue
+                        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
+                            return compiled_call(original, kind, name, message, policy, args, {})
+                        try:
+                            inner = convert(value)
+                        except ExplicitDtype:
+                            return original(*args)
+                        if inner is not None:
+                            if new_args is None:
+                                new_args = list(args)
+                            new_args[index] = value_class(inner)
+                    elif value_class is _dtype:
+                        return original(*args)  # the call names its dtype: it runs as asked
+                return original(*args) if new_args is None else original(*new_args)
+        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
+            return compiled_call(original, kind, name, message, policy, args, kwargs)
         if kwargs and ("out" in kwargs or kwargs.get("dtype") is not None):
             new = None
         else:

@@ -32,13 +32,18 @@ def _dtensor_class():
     return None if module is None else module.DTensor
 
 
+_AVAILABLE = torch.distributed.is_available()  # fixed when torch was built
+
+
 def is_distributed():
-    """True when a default process group of more than one rank is initialized."""
-    distributed = torch.distributed
+    """True when a default process group of more than one rank is initialized.
+
+    It runs every step: torch.distributed.is_initialized() read directly (the default group, read
+    now: one can be made or destroyed at any time), without its three Python calls."""
     return (
-        distributed.is_available()
-        and distributed.is_initialized()
-        and distributed.get_world_size() > 1
+        _AVAILABLE
+        and torch.distributed.distributed_c10d._world.default_pg is not None
+        and torch.distributed.get_world_size() > 1
     )
 
 

@@ -84,6 +84,15 @@ def _by_device(*lists):
 def _flagged(name, lists, inv_scale, found_inf):
     """Run backend function `name`(*lists, inv_scale, flag) per device, collecting every flag in
     found_inf."""
+    first = lists[0]
+    # All on the flag's device (the common case): no Python call but the set's `len`.
+    if len({*map(_get_device, first)}) == 1 and first[0].device == found_inf.device:
+        device = found_inf.device
+        module = cuda_backend().module if device.type == "cuda" else _torch_backend
+        if inv_scale.device != device:
+            inv_scale = inv_scale.to(device, non_blocking=True)
+        getattr(module, name)(*lists, inv_scale, found_inf)
+        return
     for device, group in _by_device(*lists):
         function = getattr(_backend(device), name)
         if device == found_inf.device:
@@ -141,6 +150,12 @@ def copy_(sources, destinations, *, check=True):
     if sources:
         if check:
             _check_parallel(sources, destinations)
+        if len({*map(_get_device, sources)}) == 1:  # one device, as in _flagged
+            device = sources[0].device
+            (cuda_backend().module if device.type == "cuda" else _torch_backend).copy_(
+                sources, destinations
+            )
+            return
         for device, (src, dst) in _by_device(sources, destinations):
             _backend(device).copy_(src, dst)
 

@@ -50,6 +50,13 @@ def unscale_(tensors, inv_scale, found_inf):
             _unscale_one_by_one(group, inv_scale, found_inf)
 
 
+# (source dtype, destination dtype) pairs whose copy is exact: into float32, or the same dtype.
+_DTYPES = [value for value in vars(torch).values() if isinstance(value, torch.dtype)]
+_EXACT_COPIES = frozenset(
+    [(dtype, torch.float32) for dtype in _DTYPES] + [(dtype, dtype) for dtype in _DTYPES]
+)
+
+
 def _unscaled_float32(sources, inv_scale, found_inf):
     """float32 copies of `sources` times inv_scale, flagging inf/NaN in found_inf."""
     scaled = [source.to(torch.float32, copy=True) for source in sources]
@@ -63,8 +70,7 @@ def unscale_to_(sources, destinations, inv_scale, found_inf):
     """
     if not sources:
         return
-    pairs = set(zip(map(_dtype, sources), map(_dtype, destinations)))
-    if all(dst in (torch.float32, src) for src, dst in pairs):
+    if set(zip(map(_dtype, sources), map(_dtype, destinations))) <= _EXACT_COPIES:
         # The copy is exact, so unscaling the destinations in place rounds once, with no copy.
         torch._foreach_copy_(destinations, sources)
         unscale_(destinations, inv_scale, found_inf)

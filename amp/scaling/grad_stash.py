@@ -22,6 +22,7 @@ gradient.
 
 import bisect
 import collections
+import functools
 import itertools
 import operator
 
@@ -33,6 +34,7 @@ from ..compat import distributed
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")
 _numel = torch.Tensor.numel
+_not_none = functools.partial(operator.is_not, None)  # with filter: no Python call per item
 _NONES = itertools.repeat(None)  # with map(operator.is_, ...): a C-level "is None" per item
 
 
@@ -113,7 +115,7 @@ class GradientStash:
 
     def enter(self, scaler, delay_unscale):
         record = self.record
-        if not self.frames and self.scaled_by is None:
+        if not self.frames and self.scaled_by is None and record.models:
             record.follow_external_writes()
         if not self.frames and self.scaled_by is scaler:
             # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
@@ -195,7 +197,7 @@ class GradientStash:
         out of `.grad` and returned as (param, grad), for the enclosing block."""
         record = self.record
         params = record.plain_params()
-        grads = [grad for grad in map(_grad, params) if grad is not None] if params else ()
+        grads = [*filter(_not_none, map(_grad, params))] if params else ()
         if grads and not scaler.is_identity:
             views = grads
             # C-level checks per gradient (a generator costs a Python frame per parameter).

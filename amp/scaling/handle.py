@@ -1,6 +1,7 @@
 """scale_loss: scale a loss for backward, then unscale, check and (on overflow) skip."""
 
 from .._state import amp_state
+from ..compat import distributed
 from ..compat.optimizer_wrappers import is_optimizer_like
 from . import nonfinite_loss
 from .scaler import OverflowFlag
@@ -137,7 +138,8 @@ class _ScaleLoss:
         # The forward pass is over. Autograd keeps the weight casts its backward needs and frees
         # each as soon as it has been used; the cache holding them all through backward would
         # only raise the peak memory (and slow the backward's allocations).
-        amp_state.cast_cache.clear()
+        if amp_state.cast_cache.filled:
+            amp_state.cast_cache.clear()
         self.loss_ok = nonfinite_loss.check(
             self.loss,
             scaler.dynamic and not (delay_unscale or self.delay_overflow_check),
@@ -168,7 +170,8 @@ class _ScaleLoss:
                 return False
             self._commit(records, self.scaler)
         finally:
-            amp_state.cast_cache.clear()
+            if amp_state.cast_cache.filled:
+                amp_state.cast_cache.clear()
         return False
 
     def _commit(self, records, scaler):
@@ -177,14 +180,17 @@ class _ScaleLoss:
         flag = None if delay_unscale else OverflowFlag(loss.device)
         for record in records:
             record.stash.commit(flag)
-        if not delay_unscale:
+        if not delay_unscale and not scaler.dynamic:
             scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
         if delay_unscale or not scaler.dynamic or self.delay_overflow_check:
             return
         # Every rank takes the same skip decision, even when only one saw the overflow.
-        loss_ok = nonfinite_loss.agree(flag, self.loss_ok)
+        loss_ok = self.loss_ok
+        if distributed.is_distributed():
+            loss_ok = nonfinite_loss.agree(flag, loss_ok)
         for record in amp_state.optimizers:  # blocks still open keep the scale they used
-            record.stash.freeze_scale(scaler, flag.tensor.device)
+            if record.stash.frames:
+                record.stash.freeze_scale(scaler, flag.tensor.device)
         nonfinite_loss.update(scaler, flag, loss_ok)
         for record in records:
             record.skips.add(self.loss_id, flag, loss_ok)

@@ -85,7 +85,7 @@ class LossScaler:
         if not self.dynamic:
             return loss.float() * self._init_scale
         device = loss.device
-        scale = self._tensors(device)
+        scale = self._scale if self._scale is not None else self._tensors(device)
         if scale.device != device:
             scale = scale.to(device, non_blocking=True)
         return loss.float() * scale
@@ -98,15 +98,18 @@ class LossScaler:
                 inv = torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
                 self._static_inv[device] = inv
             return inv
-        self._tensors(device)
-        return self._inv.to(device, non_blocking=True)
+        if self._scale is None:
+            self._tensors(device)
+        inv = self._inv
+        return inv if inv.device == device else inv.to(device, non_blocking=True)
 
     def update(self, flag):
         """Back off or grow according to `flag` (an OverflowFlag), on the device; no sync."""
         if not self.dynamic:
             return
-        scale = self._tensors(flag.tensor.device)
-        found_inf = flag.tensor.to(scale.device, non_blocking=True)
+        flag = flag.tensor
+        scale = self._scale if self._scale is not None else self._tensors(flag.device)
+        found_inf = flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
         torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
         scale.clamp_(min=max(self.min_loss_scale or 0.0, SCALE_FLOOR), max=self.max_loss_scale)
         # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;

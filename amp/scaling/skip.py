@@ -30,7 +30,10 @@ class SkipDecision:
         if watch.armed:
             watch.settle(self.record, [entry[1] for entry in self.pending])
         pending, self.pending = self.pending, []
-        overflowed = [entry for entry in pending if entry[1].is_set()]
+        overflowed = []  # a loop, not a comprehension: no Python frame of its own
+        for entry in pending:
+            if entry[1].is_set():
+                overflowed.append(entry)
         if pending and not overflowed and amp_state.nonfinite_loss_run is not None:
             nonfinite_loss.after_clean_step()
         return overflowed

@@ -168,7 +168,7 @@ class CastInputs:
         self.dtype = dtype
 
     def __call__(self, module, args, kwargs):
-        return cast_tree(args, self.dtype), cast_tree(kwargs, self.dtype)
+        return cast_tree(args, self.dtype), (cast_tree(kwargs, self.dtype) if kwargs else kwargs)
 
 
 class CastOutputs:

@@ -81,8 +81,9 @@ class OptimizerRecord(MasterWeights):
         if overflowed:
             self.skips.skip(overflowed)
             return None
-        self.follow_external_writes()  # a write to the model since backward (a mask) is kept
-        self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
+        if self.models:  # O2/O3 (two calls fewer per step at O1)
+            self.follow_external_writes()  # a write to the model since backward (a mask) is kept
+            self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
         # runs every step, and a generator context manager costs six Python calls).
         thread = amp_state.thread
@@ -103,7 +104,8 @@ class OptimizerRecord(MasterWeights):
             self.remember_versions()
             # No model.zero_grad() reaches these (apex did the same).
             set_each(self.masters, "grad", itertools.repeat(None))
-        amp_state.cast_cache.clear()  # the weights changed
+        if amp_state.cast_cache.filled:
+            amp_state.cast_cache.clear()  # the weights changed
         return result
 
     # -- the rest of the optimizer API --------------------------------------------------------
