@@ -45,6 +45,7 @@ def main(out):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(result, file)
     amp.deinitialize()
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
