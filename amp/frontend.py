@@ -259,7 +259,9 @@ def _roll_back(ledger, snapshot, patches_installed):
     try:
         ledger.restore()
     except Exception as error:  # the snapshot puts the objects back regardless
-        warnings.warn(f"amp.initialize failed, and undoing it raised {error!r}", RuntimeWarning)
+        warnings.warn(
+            f"amp.initialize failed, and undoing it raised {error!r}", RuntimeWarning, stacklevel=3
+        )
     finally:
         snapshot.restore()
         amp_state.reset()

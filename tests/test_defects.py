@@ -499,7 +499,7 @@ def test_item09_c_bindings_take_their_functions_policy_and_are_restored():
     originals = {binding: getattr(torch._C._nn, binding[1]) for binding in bindings}
     kinds = _table_kinds()
     with amp.autocast(dtype=torch.bfloat16):
-        for (path, name), source in bindings.items():
+        for (_, name), source in bindings.items():
             assert getattr(torch._C._nn, name).__amp_kind__ == kinds[source], name
         x = torch.randn(2, 3, 4, 4, 4)
         assert torch._C._nn.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype is torch.bfloat16

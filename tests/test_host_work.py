@@ -151,7 +151,7 @@ def test_a_patched_call_is_one_python_call_of_amp(region):
     finally:
         amp.deinitialize()
     assert out.dtype == torch.bfloat16
-    for own, total, names in (miss, hit):
+    for own, _total, names in (miss, hit):
         assert own == 1, own  # amp_wrapper
         assert not names & {"is_compiling", "is_scripting", "convert", "cached_cast"}, names
     # miss: the lambda, the wrapper, the compile test, three casts, the grad mode, a data_ptr

@@ -4,7 +4,6 @@ import collections
 import copy
 import dataclasses
 import functools
-import operator
 
 import torch
 
