@@ -93,3 +93,16 @@ def registrations():
     amp_state.user_registrations.clear()
     amp_state.user_registrations.update(saved)
     amp_state.torch_patches.refresh()
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A default process group of one rank (what ZeroRedundancyOptimizer and DDP need to exist)."""
+    store = tmp_path_factory.mktemp("store") / "store"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()

@@ -9,7 +9,6 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import amp
+from ranks import run_two_ranks
 
 try:
     import apex
@@ -466,18 +466,6 @@ def test_fused_norms_are_torch_norms_with_apex_arguments():
 # --- DistributedDataParallel in one process, then with two gloo ranks --------------------------
 
 
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "store"
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def _ddp_gradients(**arguments):
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 2), **arguments)
@@ -530,36 +518,11 @@ def test_ddp_refuses_what_it_cannot_honour_and_toggles_allreduce(one_rank_group)
     assert model.require_backward_grad_sync is True
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results of every scenario of tests/apex_scripts/ddp.py, from one gloo job."""
     out = tmp_path_factory.mktemp("apex_ddp")
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-    )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, os.path.join(SCRIPTS, "ddp.py"), str(out)],
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    logs = [process.communicate(timeout=240)[0] for process in processes]
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-3000:]
+    run_two_ranks(os.path.join(SCRIPTS, "ddp.py"), out)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
 
 

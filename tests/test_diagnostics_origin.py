@@ -3,15 +3,13 @@
 import json
 import logging
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.nn.modules import module as nn_module
 
 import amp
+from ranks import run_two_ranks
 from amp._state import amp_state
 
 
@@ -272,36 +270,10 @@ def test_grad_scaler_reports_the_origin_and_stays_identical_to_torch():
     assert (origin.module, origin.phase, origin.dtype) == ("body.lin", "forward", torch.float16)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_under_ddp_each_rank_names_its_own_origin(tmp_path):
     """Two gloo processes: rank 1's input overflows in layer "0", rank 0's does not. Both skip
     and keep the scale (rank 1's loss is not finite); each names what it saw."""
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-    )
-    script = os.path.join(os.path.dirname(__file__), "diagnostics_ddp_helper.py")
-    processes = [
-        subprocess.Popen(
-            [sys.executable, script, str(tmp_path)],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    logs = [process.communicate(timeout=240)[0] for process in processes]
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-3000:]
+    run_two_ranks(os.path.join(os.path.dirname(__file__), "diagnostics_ddp_helper.py"), tmp_path)
     rank0, rank1 = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert rank0["scales"] == rank1["scales"] == [2.0**16] * 3  # kept on both ranks
     assert rank1["origins"] == [None, None, ["0", "forward", "inf"]]

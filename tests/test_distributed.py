@@ -10,8 +10,6 @@ process within TOLERANCE.
 """
 
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import distributed_helper as helper  # noqa: E402
 
 import amp  # noqa: E402
+from ranks import run_two_ranks  # noqa: E402
 from amp.compat import distributed  # noqa: E402
 
 # Two ranks vs one process: the same arithmetic but for the order of the gradient sums (per-rank
@@ -29,25 +28,6 @@ from amp.compat import distributed  # noqa: E402
 # on values below 0.5. The largest difference seen after five steps is 1.4e-4 (DDP and ZeRO at
 # O2), 6e-5 at O3, 1.5e-5 elsewhere. Between ranks everything is bit-identical.
 TOLERANCE = dict(rtol=1e-3, atol=5e-4)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    """A default process group of one rank (what ZeroRedundancyOptimizer needs to exist)."""
-    store = tmp_path_factory.mktemp("store") / "store"
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture
@@ -198,27 +178,7 @@ def test_zero_with_bucket_views_is_refused_at_o2(one_rank_group):
 def ranks(tmp_path_factory):
     """Both ranks' results of every scenario, from one 2-process gloo job."""
     out = tmp_path_factory.mktemp("distributed")
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-    )
-    script = os.path.join(os.path.dirname(__file__), "distributed_helper.py")
-    processes = [
-        subprocess.Popen(
-            [sys.executable, script, str(out)],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    logs = [process.communicate(timeout=240)[0] for process in processes]
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-3000:]
+    run_two_ranks(os.path.join(os.path.dirname(__file__), "distributed_helper.py"), out)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 

@@ -1,7 +1,6 @@
 """Every example runs to completion with tiny settings; the demo's opt levels converge alike."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import gan  # noqa: E402
 import gradients  # noqa: E402
 import transformer_lm  # noqa: E402
 import what_went_wrong  # noqa: E402
+from ranks import free_port  # noqa: E402
 
 SCRIPTS = [
     "demo.py",
@@ -123,12 +123,6 @@ def test_checkpoint_resumes_bit_identical_in_a_fresh_process():
     assert checkpoint.main(["--steps", "20", "--opt-level", "O2", "--device", "cpu"]) is True
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script, *args):
     """Run `script` on two gloo ranks with the amp of this checkout (not an installed one)."""
     root = os.path.dirname(EXAMPLES)
@@ -139,7 +133,7 @@ def _torchrun(script, *args):
             "-m",
             "torch.distributed.run",
             "--nproc_per_node=2",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             os.path.join(EXAMPLES, script),
             "--device",
             "cpu",
