@@ -205,7 +205,10 @@ def _assert_identical(a, b):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("enabled", [True, False])
 def test_same_trajectory_and_parameters_as_torch(name, device, enabled):
-    theirs = SCENARIOS[name](torch_scaler(device, enabled=enabled), device)
+    try:
+        theirs = SCENARIOS[name](torch_scaler(device, enabled=enabled), device)
+    except NotImplementedError as error:  # torch's CUDA unscale without bfloat16 (torch < 2.13)
+        pytest.skip(f"torch {torch.__version__} cannot run this case itself: {error}")
     ours = SCENARIOS[name](amp_scaler(device, enabled=enabled), device)
     trace_theirs, model_theirs, optimizer_theirs = theirs
     trace_ours, model_ours, optimizer_ours = ours

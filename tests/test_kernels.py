@@ -48,7 +48,15 @@ def reference_unscale(tensors, inv_scale, device):
     found = torch.zeros((), device=device)
     for dtype in {t.dtype for t in copies}:
         group = [t for t in copies if t.dtype is dtype]
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+        except NotImplementedError:  # CUDA builds without a bfloat16 kernel: torch's CPU kernel
+            on_cpu = [t.cpu() for t in group]
+            cpu_found = found.cpu()
+            torch._amp_foreach_non_finite_check_and_unscale_(on_cpu, cpu_found, inv_scale.cpu())
+            for tensor, result in zip(group, on_cpu):
+                tensor.copy_(result)
+            found.copy_(cpu_found)
     return copies, found
 
 

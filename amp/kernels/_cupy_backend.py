@@ -5,6 +5,8 @@ copies. Every launch goes to torch's current stream; nothing here synchronises w
 Tensors a kernel cannot take (non-contiguous, float64, ...) are handed to the torch backend.
 """
 
+import itertools
+import operator
 import os
 import pathlib
 
@@ -141,23 +143,33 @@ def _launch(name, tensor_lists, arguments, first_chunk_argument=False):
     return launches
 
 
-def _kernel_ready(tensor):
-    return tensor.dtype in _TYPE_NAMES and tensor.is_contiguous()
+_dtype = operator.attrgetter("dtype")  # C-level reads: no Python call per tensor on the step
+_is_contiguous = torch.Tensor.is_contiguous
 
 
 def _grouped(*lists):
-    """{(dtype per list): (indices)} for tensors the kernels take, and the indices they do not."""
+    """{(dtype per list): indices} for the tensors the kernels take (indices None: all of them),
+    and the indices of those they do not."""
+    keys = list(zip(*[map(_dtype, tensors) for tensors in lists]))
+    distinct = set(keys)
+    if (
+        len(distinct) == 1
+        and set(keys[0]) <= _TYPE_NAMES.keys()
+        and all(map(_is_contiguous, itertools.chain.from_iterable(lists)))
+    ):
+        return {keys[0]: None}, []  # the step's case: one dtype per list, all contiguous
+    ready = list(map(all, zip(*[map(_is_contiguous, tensors) for tensors in lists])))
     groups, rest = {}, []
-    for index, tensors in enumerate(zip(*lists)):
-        if all(_kernel_ready(tensor) for tensor in tensors):
-            groups.setdefault(tuple(tensor.dtype for tensor in tensors), []).append(index)
+    for index, key in enumerate(keys):
+        if ready[index] and set(key) <= _TYPE_NAMES.keys():
+            groups.setdefault(key, []).append(index)
         else:
             rest.append(index)
     return groups, rest
 
 
 def _pick(values, indices):
-    return [values[i] for i in indices]
+    return values if indices is None else [values[i] for i in indices]
 
 
 def unscale_(tensors, inv_scale, found_inf):
@@ -176,7 +188,7 @@ def _pairwise(kernel, torch_fallback, sources, destinations, scale, found_inf):
     groups, rest = _grouped(sources, destinations)
     for pair, indices in groups.items():
         if pair not in _SUPPORTED_PAIRS:
-            rest.extend(indices)
+            rest.extend(range(len(sources)) if indices is None else indices)
             continue
         _launch(
             f"{kernel}<{_TYPE_NAMES[pair[0]]}, {_TYPE_NAMES[pair[1]]}>",
