@@ -1,7 +1,11 @@
 """Load-independent figures of one training step: Python calls and the allocator's peak bytes.
 
-  python_calls   cProfile's total_calls of one step after `warmup` steps (Python functions and
-                 the builtins they call; a noisy machine cannot blur it)
+  python_calls   cProfile's total_calls of one step after `warmup` steps and after the loss
+                 scale has settled (Python functions and the builtins they call; a noisy machine
+                 cannot blur it)
+  settle         steps until the loss scale stays put for two steps: a step that skips for an
+                 overflow, or the step after it (amp watches that one to name the overflow's
+                 origin), is not the training step that a figure should describe
   peak_memory    live bytes at the start of one step (after a warm-up step: model, optimizer
                  state, masters, data) and their peak during it, everything included.
                  CPU: torch.profiler with profile_memory, whose events carry each allocation and
@@ -22,9 +26,23 @@ from torch.profiler import ProfilerActivity, profile, record_function
 _MARK = "benchmarks::measured_step"
 
 
+def settle(trainer, batch, limit=50):
+    """Step until two steps in a row leave the loss scale unchanged (float16's first steps skip
+    while the scale comes down); returns the steps taken."""
+    steady, scale = 0, trainer.loss_scale()
+    for taken in range(1, limit + 1):
+        if scale is None or steady == 2:
+            return taken - 1
+        trainer.step(*batch)
+        scale, before = trainer.loss_scale(), scale
+        steady = steady + 1 if scale == before else 0
+    raise RuntimeError(f"the loss scale still changed after {limit} steps")
+
+
 def python_calls(trainer, batch, warmup=2):
     for _ in range(warmup):
         trainer.step(*batch)
+    settle(trainer, batch)
     profiler = cProfile.Profile()
     profiler.enable()
     trainer.step(*batch)

@@ -40,10 +40,11 @@ REFERENCE = "torch.autocast"
 
 
 class Trainer:
-    """`step(inputs, targets)` runs one training step and returns the loss (detached)."""
+    """`step(inputs, targets)` runs one training step and returns the loss (detached);
+    `loss_scale()` the current loss scale (None without one)."""
 
-    def __init__(self, model, step, close=lambda: None):
-        self.model, self._step, self._close = model, step, close
+    def __init__(self, model, step, close=lambda: None, loss_scale=lambda: None):
+        self.model, self._step, self._close, self.loss_scale = model, step, close, loss_scale
 
     def step(self, inputs, targets):
         return self._step(inputs, targets)
@@ -84,7 +85,7 @@ def _torch_autocast(model, loss_fn, dtype, optimizer):
         scaler.update()
         return loss.detach()
 
-    return Trainer(model, step)
+    return Trainer(model, step, loss_scale=scaler.get_scale)
 
 
 def _amp_autocast(model, loss_fn, dtype, optimizer):
@@ -101,7 +102,7 @@ def _amp_autocast(model, loss_fn, dtype, optimizer):
         return loss.detach()
 
     # amp.autocast installs amp's patches, which stay after the region: undo them.
-    return Trainer(model, step, amp.deinitialize)
+    return Trainer(model, step, amp.deinitialize, scaler.get_scale)
 
 
 def _amp_level(opt_level):
@@ -119,7 +120,10 @@ def _amp_level(opt_level):
             opt.step()
             return loss.detach()
 
-        return Trainer(model, step, amp.deinitialize)
+        def loss_scale():
+            return amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+        return Trainer(model, step, amp.deinitialize, loss_scale)
 
     return setup
 
@@ -158,7 +162,7 @@ def _manual_o2(kind):
                 torch._foreach_copy_(params, masters)
             return loss.detach()
 
-        return Trainer(model, step)
+        return Trainer(model, step, loss_scale=scaler.get_scale)
 
     return setup
 

@@ -13,7 +13,7 @@ import end_to_end  # noqa: E402
 import step_costs  # noqa: E402
 import variants  # noqa: E402
 import workloads  # noqa: E402
-from measure import peak_memory, python_calls  # noqa: E402
+from measure import peak_memory, python_calls, settle  # noqa: E402
 
 MIB = 2**20
 
@@ -101,7 +101,32 @@ def test_python_calls_counts_each_call_of_one_step():
             for _ in range(self.count):
                 abs(inputs)
 
+        def loss_scale(self):
+            return None
+
     assert python_calls(Calls(10), (1, None)) - python_calls(Calls(0), (1, None)) == 10
+
+
+def test_settle_steps_past_the_skips_and_the_step_after_them():
+    class Skips:
+        """Halves its scale on each of its first `skips` steps, as float16's first steps do."""
+
+        def __init__(self, skips):
+            self.skips, self.scale, self.steps = skips, 65536.0, 0
+
+        def step(self, inputs, targets):
+            self.steps += 1
+            if self.steps <= self.skips:
+                self.scale /= 2
+
+        def loss_scale(self):
+            return self.scale
+
+    trainer = Skips(3)
+    assert settle(trainer, (None, None)) == 5  # three skips, then two steps that keep the scale
+    assert trainer.scale == 65536.0 / 8
+    with pytest.raises(RuntimeError, match="still changed after 4 steps"):
+        settle(Skips(10), (None, None), limit=4)
 
 
 def test_step_costs_count_and_weigh_every_variant():
