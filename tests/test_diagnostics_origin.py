@@ -270,6 +270,18 @@ def test_grad_scaler_reports_the_origin_and_stays_identical_to_torch():
     assert (origin.module, origin.phase, origin.dtype) == ("body.lin", "forward", torch.float16)
 
 
+def test_a_grad_scaler_dropped_after_a_skip_leaves_no_hook_and_no_stale_watch():
+    """The last step of a GradScaler run skipped, then the scaler went (the run ended): nobody
+    will step to end that watch. Its hooks go at the next module call, and a later run is
+    watched from its own first skip (a stale watch made its second step unwatched)."""
+    grad_scaler_run(amp.GradScaler)  # the scaler is dropped on return
+    assert amp_state.origin_watch.armed and global_hooks() == 2
+    net()(torch.randn(2, 4))  # evaluation after the run: the watch sees its owners are gone
+    assert not amp_state.origin_watch.armed and global_hooks() == 0
+    grad_scaler_run(amp.GradScaler)
+    test_a_forward_overflow_is_traced_to_its_module_at_every_level("O1")
+
+
 def test_under_ddp_each_rank_names_its_own_origin(tmp_path):
     """Two gloo processes: rank 1's input overflows in layer "0", rank 0's does not. Both skip
     and keep the scale (rank 1's loss is not finite); each names what it saw."""

@@ -111,8 +111,10 @@ class OriginWatch:
         self._hooked_params = set()
         self._sites = {}  # id(tensor) -> (weak reference, _Site), for the hooked tensors
         self._local = threading.local()  # the stack of modules being called, per thread
-        self._waiting = set()  # the owners whose next step this watch is for
-        self._stepped = set()  # the owners that stepped since the watched step began
+        # Owners are held weakly: a GradScaler dropped after its last step skipped (the end of
+        # a training run) must not leave the process-wide hooks behind for nobody.
+        self._waiting = weakref.WeakSet()  # the owners whose next step this watch is for
+        self._stepped = weakref.WeakSet()  # the owners that stepped since the watched step began
         self._next = []  # owners that skipped during the watched step: they arm the next one
         self._found = []  # (overflow flag, Origin or None) of the last watched steps
         self._paused = 0  # > 0: what runs now is not the user's step (amp.audit's forwards)
@@ -124,8 +126,10 @@ class OriginWatch:
 
         A skip during a watched step arms the step after it, once this watch has ended.
         """
+        if self.armed and not self._waiting:
+            self.disarm()  # every owner it waited for is gone: nobody would read it
         if self.armed and self.fired:
-            self._next.append(owner)
+            self._next.append(weakref.ref(owner))
             return
         if not self.armed:
             self._install()
@@ -151,8 +155,8 @@ class OriginWatch:
         self._hooked_params = set()
         self._sites = {}
         self._local = threading.local()
-        self._waiting = set()
-        self._stepped = set()
+        self._waiting = weakref.WeakSet()
+        self._stepped = weakref.WeakSet()
         self._next = []
         self.armed = False
         self.fired = False
@@ -174,13 +178,14 @@ class OriginWatch:
             found = _first_nonfinite(self._events)
             self._found = (self._found + [(flag, found) for flag in flags])[-_KEEP:]
         elif owner in self._stepped:
-            self._waiting = set()
+            self._waiting = weakref.WeakSet()
         self._stepped.add(owner)
         if not self._waiting:
-            following = self._next
+            following = [waiting() for waiting in self._next]
             self.disarm()
             for waiting in following:
-                self.arm(waiting)
+                if waiting is not None:
+                    self.arm(waiting)
         return found
 
     def watched(self, flag):
@@ -236,6 +241,9 @@ class OriginWatch:
 
     def _before(self, module, args):
         if self._paused or torch.compiler.is_compiling():
+            return
+        if not self._waiting:  # its owners are gone (torch iterates a copy of the hooks)
+            self.disarm()
             return
         self.fired = True
         stack = self._stack()
