@@ -405,4 +405,7 @@ def master_params(optimizer):
     """
     if not hasattr(optimizer, "param_groups"):
         raise TypeError(f"amp.master_params expects an optimizer; got {type(optimizer).__name__}.")
+    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
+    if record is not None:  # a write to the model since the last step shows in its master
+        record.follow_external_writes()
     return (param for group in optimizer.param_groups for param in group["params"])

@@ -33,18 +33,16 @@ def _dtensor_class():
 
 
 _AVAILABLE = torch.distributed.is_available()  # fixed when torch was built
+_WORLD = torch.distributed.distributed_c10d._world if _AVAILABLE else None
 
 
 def is_distributed():
     """True when a default process group of more than one rank is initialized.
 
     It runs every step: torch.distributed.is_initialized() read directly (the default group, read
-    now: one can be made or destroyed at any time), without its three Python calls."""
-    return (
-        _AVAILABLE
-        and torch.distributed.distributed_c10d._world.default_pg is not None
-        and torch.distributed.get_world_size() > 1
-    )
+    now: one can be made or destroyed at any time), without its four Python calls (the
+    `default_pg` property included)."""
+    return _AVAILABLE and _WORLD._default_pg is not None and torch.distributed.get_world_size() > 1
 
 
 def reduce_flag(flag):
@@ -279,12 +277,6 @@ def watch_parameters(models, optimizers, on_move=None):
     if not optimizers:
         return None
     return ParameterWatch(models, optimizers, on_move)
-
-
-def check_parameters(caller):
-    watch = amp_state.parameter_watch
-    if watch is not None:
-        watch.check(caller)
 
 
 # -- ZeroRedundancyOptimizer at O2 ---------------------------------------------------------------

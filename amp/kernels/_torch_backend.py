@@ -73,7 +73,10 @@ def unscale_to_(sources, destinations, inv_scale, found_inf):
     if set(zip(map(_dtype, sources), map(_dtype, destinations))) <= _EXACT_COPIES:
         # The copy is exact, so unscaling the destinations in place rounds once, with no copy.
         torch._foreach_copy_(destinations, sources)
-        unscale_(destinations, inv_scale, found_inf)
+        if destinations[0].is_cpu:  # unscale_'s CPU case, inlined: O2 runs it every step
+            _unscale_op(destinations, found_inf, inv_scale)
+        else:
+            unscale_(destinations, inv_scale, found_inf)
         return
     torch._foreach_copy_(destinations, _unscaled_float32(sources, inv_scale, found_inf))
 

@@ -115,8 +115,6 @@ class GradientStash:
 
     def enter(self, scaler, delay_unscale):
         record = self.record
-        if not self.frames and self.scaled_by is None and record.models:
-            record.follow_external_writes()
         if not self.frames and self.scaled_by is scaler:
             # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
             # as autograd does and as DDP's reducer needs (after no_sync() micro-batches it
@@ -241,12 +239,16 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
     grads = list(map(_grad, models))
     # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
     present = list(map(operator.is_not, grads, _NONES))
+    plan = record.chunk_plan
     if not all(present):
         if not any(present):
             return
         models = list(itertools.compress(models, present))  # parameters that had no gradient
         masters = list(itertools.compress(masters, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
+        plan = _chunks(grads)
+    elif plan is None:  # every master gets a gradient (the usual case): sliced once
+        plan = record.chunk_plan = _chunks(grads)
     set_each(models, "grad", _NONES)
     if any(map(_is_sparse, grads)):
         _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
@@ -259,7 +261,7 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
         return
     else:
         adding = True
-    for start, stop in _chunks(grads):
+    for start, stop in plan:
         sources = grads[start:stop]
         grads[start:stop] = itertools.repeat(None, stop - start)  # `sources` holds them now
         if adding:

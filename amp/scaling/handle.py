@@ -7,17 +7,6 @@ from . import nonfinite_loss
 from .scaler import OverflowFlag
 
 
-def _records(optimizers):
-    # The usual call, one optimizer amp instrumented, costs one dict lookup.
-    try:
-        record = optimizers.__dict__.get("_amp_record")
-    except AttributeError:  # a list or tuple of optimizers
-        record = None
-    if record is not None:
-        return (record,)
-    return _checked_records(optimizers)
-
-
 def _checked_records(optimizers):
     if is_optimizer_like(optimizers):
         optimizers = [optimizers]
@@ -112,21 +101,35 @@ class _ScaleLoss:
             )
         if not amp_state.enabled:
             return self.loss
-        records = _records(self.optimizers)
+        # The usual call, one optimizer amp instrumented, costs one dict lookup.
+        try:
+            record = self.optimizers.__dict__.get("_amp_record")
+        except AttributeError:  # a list or tuple of optimizers
+            record = None
+        records = (record,) if record is not None else _checked_records(self.optimizers)
         loss_id = self.loss_id
         scalers = amp_state.loss_scalers
-        if not (
-            (type(loss_id) is int or (isinstance(loss_id, int) and not isinstance(loss_id, bool)))
-            and 0 <= loss_id < len(scalers)
-        ):
+        try:
+            if (
+                not (
+                    type(loss_id) is int
+                    or (isinstance(loss_id, int) and not isinstance(loss_id, bool))
+                )
+                or loss_id < 0
+            ):
+                raise IndexError
+            scaler = scalers[loss_id]
+        except IndexError:
             raise ValueError(
                 f"amp.scale_loss: loss_id={loss_id!r} is out of range; amp.initialize was called "
                 f"with num_losses={len(scalers)}, so use 0 to {len(scalers) - 1}."
-            )
-        scaler = scalers[loss_id]
+            ) from None
         delay_unscale = self.delay_unscale
         for record in records:
-            theirs = record.stash.conflict(scaler, delay_unscale)
+            stash = record.stash
+            if not stash.frames and stash.scaled_by is None:
+                continue  # nothing scaled waits: no conflict (the usual case, without a call)
+            theirs = stash.conflict(scaler, delay_unscale)
             if theirs is not None:
                 raise RuntimeError(
                     f"amp.scale_loss(loss_id={loss_id}): the gradients of this optimizer are "
@@ -168,29 +171,27 @@ class _ScaleLoss:
                 for record in records:
                     record.stash.discard()
                 return False
-            self._commit(records, self.scaler)
+            # The block exited normally: unscale, check, and let the scale follow.
+            scaler = self.scaler
+            delay_unscale = self.delay_unscale
+            flag = None if delay_unscale else OverflowFlag(self.loss.device)
+            for record in records:
+                record.stash.commit(flag)
+            if not delay_unscale and not scaler.dynamic:
+                scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
+            if delay_unscale or not scaler.dynamic or self.delay_overflow_check:
+                return False
+            # Every rank takes the same skip decision, even when only one saw the overflow.
+            loss_ok = self.loss_ok
+            if distributed.is_distributed():
+                loss_ok = nonfinite_loss.agree(flag, loss_ok)
+            for record in amp_state.optimizers:  # blocks still open keep the scale they used
+                if record.stash.frames:
+                    record.stash.freeze_scale(scaler, flag.tensor.device)
+            nonfinite_loss.update(scaler, flag, loss_ok)
+            for record in records:
+                record.skips.pending.append((self.loss_id, flag, loss_ok))
         finally:
             if amp_state.cast_cache.filled:
                 amp_state.cast_cache.clear()
         return False
-
-    def _commit(self, records, scaler):
-        delay_unscale = self.delay_unscale
-        loss = self.loss
-        flag = None if delay_unscale else OverflowFlag(loss.device)
-        for record in records:
-            record.stash.commit(flag)
-        if not delay_unscale and not scaler.dynamic:
-            scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
-        if delay_unscale or not scaler.dynamic or self.delay_overflow_check:
-            return
-        # Every rank takes the same skip decision, even when only one saw the overflow.
-        loss_ok = self.loss_ok
-        if distributed.is_distributed():
-            loss_ok = nonfinite_loss.agree(flag, loss_ok)
-        for record in amp_state.optimizers:  # blocks still open keep the scale they used
-            if record.stash.frames:
-                record.stash.freeze_scale(scaler, flag.tensor.device)
-        nonfinite_loss.update(scaler, flag, loss_ok)
-        for record in records:
-            record.skips.add(self.loss_id, flag, loss_ok)

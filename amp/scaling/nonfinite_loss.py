@@ -30,7 +30,7 @@ def check(loss, needed):
         watch.note_loss(loss)
     if not needed:
         return None
-    return torch.isfinite(loss.detach()).all()
+    return torch.isfinite(loss).all()  # a bool result: no autograd graph, no detach needed
 
 
 def agree(flag, loss_ok):

@@ -12,6 +12,7 @@ DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
 # scale that kept halving cannot reach 0 and turn clean gradients into 0 * inf = NaN.
 SCALE_FLOOR = 2.0**-126
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_reciprocal = torch.reciprocal  # bound at import, before amp's O1 tables could patch it
 _INT32_MAX = 2**31 - 1
 
 
@@ -50,6 +51,7 @@ class LossScaler:
         self.dynamic = loss_scale == "dynamic"
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
+        self._floor = max(min_loss_scale or 0.0, SCALE_FLOOR)  # where a back-off stops
         self.growth_interval = growth_interval
         if self.dynamic:
             start = init_scale if max_loss_scale is None else min(max_loss_scale, init_scale)
@@ -111,11 +113,12 @@ class LossScaler:
         scale = self._scale if self._scale is not None else self._tensors(flag.device)
         found_inf = flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
         torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
-        scale.clamp_(min=max(self.min_loss_scale or 0.0, SCALE_FLOOR), max=self.max_loss_scale)
+        scale.clamp_(min=self._floor, max=self.max_loss_scale)
         # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;
-        # for any other value it is the correctly rounded one. In-place methods, which amp never
-        # patches: its own arithmetic stays out of the user's casts and traces.
-        self._inv.copy_(scale).reciprocal_()
+        # for any other value it is the correctly rounded one. torch.reciprocal's original (amp
+        # patches nothing it calls here): its own arithmetic stays out of the user's casts and
+        # traces.
+        _reciprocal(scale, out=self._inv)
 
     def count_pass(self):
         """Note a backward pass this scaler scaled and unscaled (static scalers only count)."""

@@ -12,13 +12,9 @@ class SkipDecision:
 
     def __init__(self, record):
         self.record = record
-        self.pending = []  # (loss_id, OverflowFlag, loss-finite device flag or None)
-
-    def add(self, loss_id, flag, loss_ok=None):
-        self.pending.append((loss_id, flag, loss_ok))
-
-    def clear(self):
-        """zero_grad(): the gradients an overflow was found in are gone, so is the reason to skip."""
+        # (loss_id, OverflowFlag, loss-finite device flag or None), appended by scale_loss's
+        # exit; zero_grad() empties it (the gradients an overflow was found in are gone, and so
+        # is the reason to skip). Both touch the list directly: they run every step.
         self.pending = []
 
     def take(self):

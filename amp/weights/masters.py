@@ -6,10 +6,11 @@ import operator
 
 import torch
 
+from .. import kernels
 from .._state import amp_state
 from ..compat import distributed
-from ..scaling.grad_stash import add_to_master_grad
-from .shadows import mark_params, sync_params
+from ..scaling.grad_stash import add_to_master_grad, set_each
+from .shadows import ParamMarks, sync_params
 
 _grad = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")
@@ -46,6 +47,8 @@ class MasterWeights:
         self.master_pairs = []  # (model parameter, FP32 master) for O2
         self.models, self.masters = [], []  # the same pairs as two parallel lists
         self._shadows = None  # the model parameters' shadows, once all are known
+        self._marks = ParamMarks()  # their marks since amp last wrote the model (shadows.py)
+        self.chunk_plan = None  # how scale_loss slices all master gradients (grad_stash.py)
         self._plain_cache = (None, [])
         self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
 
@@ -54,6 +57,7 @@ class MasterWeights:
         self.models.append(param)
         self.masters.append(master)
         self._shadows = None
+        self.chunk_plan = None
         amp_state.masters[id(param)] = master
 
     def shadows(self):
@@ -72,27 +76,59 @@ class MasterWeights:
     def remember_versions(self):
         """amp (or a state-dict load) just wrote the model parameters from their masters."""
         if self.models:
-            mark_params(self._shadows or self.shadows())
+            shadows = self._shadows or self.shadows()
+            if shadows is self._shadows:  # every parameter has its shadow: one batch
+                self._marks.mark(shadows, self.models)
+            else:  # some have none (a model not passed to initialize)
+                for shadow in shadows:
+                    shadow.mark()
 
     def follow_external_writes(self):
         """Bring masters and model parameters in step after writes from outside amp.
 
         DataParallel's broadcast or a `param.copy_(...)` change the model after the masters were
         made; a write through `model.state_dict()` changes the master. See shadows.Shadow.sync.
+        The usual answer, nothing written since amp's own write at the last step, comes from the
+        batched marks.
         """
         if self.models:
-            sync_params(self._shadows or self.shadows())
+            shadows = self._shadows or self.shadows()
+            if not self._marks.unchanged(shadows):
+                sync_params(shadows)
 
-    def fold_outside_gradients(self):
-        """Gradients of model parameters made by a backward outside scale_loss are unscaled:
-        they join the master gradients (apex dropped them; without this O2 would not step)."""
-        if not self.models or all(map(operator.is_, map(_grad, self.models), _NONES)):
+    def before_step(self):
+        """O2, before the optimizer steps the masters: a write to the model since the last step
+        (a pruning mask applied after backward) is kept, and gradients of model parameters made
+        by a backward outside scale_loss join the master gradients unscaled (apex dropped them;
+        without this O2 would not step)."""
+        shadows = self._shadows or self.shadows()  # follow_external_writes, inlined: every step
+        if not self._marks.unchanged(shadows):
+            sync_params(shadows)
+        if all(map(operator.is_, map(_grad, self.models), _NONES)):
             return  # the usual case: scale_loss took them
         for model_param, master in zip(self.models, self.masters):
             grad = model_param.grad
             if grad is not None:
                 add_to_master_grad(master, grad.float())
                 model_param.grad = None
+
+    def after_step(self):
+        """O2, after the optimizer stepped the masters: the model takes their values (rounded to
+        nearest even), amp marks that write as its own, and the master gradients go (no
+        model.zero_grad() reaches them; apex did the same)."""
+        # torch.no_grad(), without its eight Python calls per step.
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            kernels.copy_(self.masters, self.models, check=False)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        shadows = self._shadows
+        if shadows is not None:  # every parameter has its shadow: one batch (remember_versions)
+            self._marks.mark(shadows, self.models)
+        else:
+            self.remember_versions()
+        set_each(self.masters, "grad", _NONES)
 
     def grad_holders(self):
         """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
@@ -139,5 +175,5 @@ class MasterWeights:
             amp_state.masters.pop(id(model_param), None)
         self.master_pairs, self.models, self.masters = [], [], []
         self._shadows = None
+        self.chunk_plan = None
         self.forget_param_groups()
-

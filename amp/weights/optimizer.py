@@ -12,7 +12,6 @@ import types
 
 import torch
 
-from .. import kernels
 from .._state import amp_state
 from ..compat import distributed
 from ..compat.optimizer_wrappers import require_optimizer_like
@@ -64,7 +63,9 @@ class OptimizerRecord(MasterWeights):
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
                 "closure."
             )
-        distributed.check_parameters("optimizer.step()")
+        watch = amp_state.parameter_watch  # a parameter replaced since initialize is refused
+        if watch is not None:
+            watch.check("optimizer.step()")
         if self.stash.frames:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`; the gradients "
@@ -81,9 +82,8 @@ class OptimizerRecord(MasterWeights):
         if overflowed:
             self.skips.skip(overflowed)
             return None
-        if self.models:  # O2/O3 (two calls fewer per step at O1)
-            self.follow_external_writes()  # a write to the model since backward (a mask) is kept
-            self.fold_outside_gradients()  # a plain loss.backward() at O2 steps too
+        if self.models:  # O2 (no call at all at O1 or O3)
+            self.before_step()
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
         # runs every step, and a generator context manager costs six Python calls).
         thread = amp_state.thread
@@ -93,17 +93,8 @@ class OptimizerRecord(MasterWeights):
             result = self.originals["step"]()
         finally:
             thread.policy = saved
-        if self.master_pairs:
-            # torch.no_grad(), without its eight Python calls per step.
-            grad_enabled = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                kernels.copy_(self.masters, self.models, check=False)
-            finally:
-                torch._C._set_grad_enabled(grad_enabled)
-            self.remember_versions()
-            # No model.zero_grad() reaches these (apex did the same).
-            set_each(self.masters, "grad", itertools.repeat(None))
+        if self.models:
+            self.after_step()
         if amp_state.cast_cache.filled:
             amp_state.cast_cache.clear()  # the weights changed
         return result
@@ -127,7 +118,7 @@ class OptimizerRecord(MasterWeights):
                     model_param.grad.detach_()
                     model_param.grad.zero_()
         self.stash.reset()
-        self.skips.clear()
+        self.skips.pending = []  # the gradients an overflow was found in are gone
 
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict):

@@ -54,17 +54,23 @@ class Shadow:
 
     def mark(self):
         """The two sides agree now (amp wrote one from the other)."""
+        if _lagging:
+            flush()  # an older batched mark must not overwrite this one later
         self.low = self.current()
         self.low_version = None if self.low is None else self.low._version
         self.fp32_version = self.fp32._version
 
     def push(self):
         """Copy a write into the FP32 side (through a state dict) to the low-precision tensor."""
+        if _lagging:
+            flush()
         if self.fp32._version != self.fp32_version:
             self.sync()
 
     def sync(self):
         """Copy a write made since the last sync across; the FP32 side wins a conflict."""
+        if _lagging:
+            flush()
         low = self.current()
         if low is None or low.dtype not in LOW_PRECISION:
             return  # removed, or replaced by an FP32 tensor: nothing to shadow
@@ -88,6 +94,8 @@ def sync_params(shadows):
     The common answer, none, comes from comparing whole lists of tensors and version counters at
     C level; only a shadow found changed is looked at on its own.
     """
+    if _lagging:
+        flush()
     currents = list(map(dict.get, map(_PARAMETERS, shadows), map(_NAME, shadows)))
     lows = list(map(_LOW, shadows))
     fp32s = list(map(_FP32, shadows))
@@ -112,18 +120,72 @@ def sync_params(shadows):
             shadow.sync()
 
 
-def mark_params(shadows):
-    """Shadow.mark for every parameter shadow in `shadows` (amp wrote one side from the other)."""
-    currents = list(map(dict.get, map(_PARAMETERS, shadows), map(_NAME, shadows)))
-    try:
-        low_versions = list(map(_VERSION, currents))
-    except AttributeError:  # a parameter removed (None)
-        for shadow in shadows:
-            shadow.mark()
-        return
-    set_each(shadows, "low", currents)
-    set_each(shadows, "low_version", low_versions)
-    set_each(shadows, "fp32_version", list(map(_VERSION, map(_FP32, shadows))))
+# Batched marks not yet written into their shadows, oldest first (a dict as an ordered set:
+# membership and order at C level, no id() call).
+_lagging = {}
+
+
+def flush():
+    """Write every batched mark into its shadows, oldest first. Runs before a shadow is looked at
+    or marked on its own, so that each Shadow reads as if it had been marked at the time."""
+    books = list(_lagging)
+    _lagging.clear()
+    for book in books:
+        set_each(book.shadows, "low", book.lows)
+        set_each(book.shadows, "low_version", book.low_versions)
+        set_each(book.shadows, "fp32_version", book.fp32_versions)
+
+
+class ParamMarks:
+    """The marks of one optimizer's parameter shadows (in master-pair order), made in a batch.
+
+    amp writes every master into its model parameter at each step. Marking each Shadow after that
+    costs three setattr a parameter, and checking them before the next step a dozen reads a
+    parameter. A batch keeps the version counters as lists instead, and `unchanged` compares
+    them as lists; they are written into the shadows (`flush`) only when a shadow is looked at on
+    its own: a state dict, a load, or a step that found a write from outside amp.
+    """
+
+    __slots__ = (
+        "shadows",
+        "lows",
+        "fp32s",
+        "dicts",
+        "names",
+        "shapes",
+        "low_versions",
+        "fp32_versions",
+    )
+
+    def __init__(self):
+        self.shadows = None
+
+    def mark(self, shadows, lows):
+        """Shadow.mark for `shadows`, whose parameters are `lows` (parallel lists), in a batch."""
+        if self.shadows is not shadows or self not in _lagging:
+            # First, or flushed since (something was looked at on its own): take it all anew.
+            self.shadows = shadows
+            self.lows = list(lows)
+            self.fp32s = list(map(_FP32, shadows))
+            self.dicts = list(map(_PARAMETERS, shadows))
+            self.names = list(map(_NAME, shadows))
+            self.shapes = list(map(_SHAPE, self.lows))
+        self.low_versions = list(map(_VERSION, self.lows))
+        self.fp32_versions = list(map(_VERSION, self.fp32s))
+        _lagging.pop(self, None)
+        _lagging[self] = None  # the newest batch is written last
+
+    def unchanged(self, shadows):
+        """True when neither side of any of `shadows` was written, replaced or moved since this
+        batch marked them (and nothing flushed it since): sync_params would find nothing."""
+        return (
+            self.shadows is shadows
+            and self in _lagging
+            and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.lows))
+            and list(map(_VERSION, self.lows)) == self.low_versions
+            and list(map(_VERSION, self.fp32s)) == self.fp32_versions
+            and list(map(_SHAPE, self.lows)) == self.shapes  # `param.data = ...`
+        )
 
 
 class ModelShadows:
