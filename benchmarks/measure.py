@@ -1,18 +1,22 @@
 """Load-independent figures of one training step: Python calls and the allocator's peak bytes.
 
-  python_calls   cProfile's total_calls of one step after `warmup` steps and after the loss
-                 scale has settled (Python functions and the builtins they call; a noisy machine
-                 cannot blur it)
-  settle         steps until the loss scale stays put for two steps: a step that skips for an
-                 overflow, or the step after it (amp watches that one to name the overflow's
-                 origin), is not the training step that a figure should describe
-  peak_memory    live bytes at the start of one step (after a warm-up step: model, optimizer
-                 state, masters, data) and their peak during it, everything included.
-                 CPU: torch.profiler with profile_memory, whose events carry each allocation and
-                 free of the CPU allocator; the trainer is built inside the profiled window, so
-                 the running sum of those events is the live total. CUDA: torch.cuda's
-                 memory_allocated and max_memory_allocated (the caching allocator's live bytes,
-                 not its reserve).
+python_calls   cProfile's total_calls of one step after `warmup` steps and after the loss
+               scale has settled (Python functions and the builtins they call; a noisy machine
+               cannot blur it)
+settle         steps until the loss scale stays put for two steps: a step that skips for an
+               overflow, or the step after it (amp watches that one to name the overflow's
+               origin), is not the training step that a figure should describe
+scaling_calls  the Python calls loss scaling adds to a plain step: amp's zero_grad +
+               scale_loss + step at an opt level, and torch.amp.GradScaler's scale / unscale_ /
+               step / update, at 10 parameter tensors (forward, backward and SGD's own step left
+               out)
+peak_memory    live bytes at the start of one step (after a warm-up step: model, optimizer
+               state, masters, data) and their peak during it, everything included.
+               CPU: torch.profiler with profile_memory, whose events carry each allocation and
+               free of the CPU allocator; the trainer is built inside the profiled window, so
+               the running sum of those events is the live total. CUDA: torch.cuda's
+               memory_allocated and max_memory_allocated (the caching allocator's live bytes,
+               not its reserve).
 """
 
 import cProfile
@@ -22,6 +26,9 @@ import pstats
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
+
+import amp
+from amp._state import amp_state
 
 _MARK = "benchmarks::measured_step"
 
@@ -48,6 +55,69 @@ def python_calls(trainer, batch, warmup=2):
     trainer.step(*batch)
     profiler.disable()
     return pstats.Stats(profiler).total_calls
+
+
+def _step_calls(fn):
+    for _ in range(3):
+        fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    return pstats.Stats(profiler).total_calls
+
+
+def scaling_calls(opt_level, dtype=torch.bfloat16):
+    """(calls amp adds, calls torch.amp.GradScaler adds) to one plain step at 10 tensors."""
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    x = torch.randn(4, 8)
+    model, optimizer = make()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def plain():
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    def torch_path():
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(optimizer)  # as for gradient clipping; without it the count is the same
+        scaler.step(optimizer)
+        scaler.update()
+
+    def forward():
+        model(x).square().mean()
+
+    base = _step_calls(plain)
+    torch_adds = _step_calls(torch_path) - base
+    backward_and_step = base - _step_calls(forward)
+    model, optimizer = make()
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0
+    )
+
+    def amp_path():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).float().square().mean()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+
+    def amp_forward():  # O1's weight casts are made anew, as in amp_path
+        amp_state.cast_cache.clear()
+        model(x).float().square().mean()
+
+    try:
+        amp_adds = _step_calls(amp_path) - (_step_calls(amp_forward) - 1) - backward_and_step
+    finally:
+        amp.deinitialize()
+    return amp_adds, torch_adds
 
 
 def peak_memory(build, warm_batch, batch, device):

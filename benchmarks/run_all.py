@@ -13,11 +13,13 @@ Rows (a ratio below 1.00 means amp is faster):
                            exit / torch.autocast's; a patched call outside any region / the original
   kernels                  amp.kernels / torch's ops (unscale, copies, norm), and on a GPU the
                            large unscale's bandwidth as a fraction of the datasheet's
-  step costs               Python calls and peak memory of one step, amp O1 / amp.autocast /
-                           amp O2 / amp O3 and the manual O2 peer (a model in the low dtype,
-                           torch's fused AdamW on FP32 masters) / torch.autocast + GradScaler
-                           (step_costs.py: host-bound transformers at depth 1, 4 and 16; the
-                           4-layer width-512 transformer at 128 and 512 tokens; a small CNN)
+  step costs               Python calls, peak memory and (not --quick) host time of one step,
+                           amp O1 / amp.autocast / amp O2 / amp O3 and the manual O2 peer (a
+                           model in the low dtype, torch's fused AdamW on FP32 masters) /
+                           torch.autocast + GradScaler (step_costs.py: host-bound transformers
+                           at depth 1, 4 and 16; the 4-layer width-512 transformer at 128 and
+                           512 tokens; a small CNN); and the calls loss scaling adds at 10
+                           parameter tensors, O0-O3 / torch.amp.GradScaler
   GPT-2 small, ResNet-50   end-to-end training steps (end_to_end.py), every variant's step time
                            / torch.autocast's, and tokens/s or images/s: CUDA, fp16 and bf16
 The individual scripts print their own detailed tables first; the last line says what ran on this
@@ -132,7 +134,18 @@ def _costs(row):
 def step_cost_rows(device, dtype, quick, tiny):
     rows = []
     options = ["--device", device, "--dtype", dtype] + ["--quick"] * quick + ["--tiny"] * tiny
-    results = step_costs.main(options)
+    # A full run also times the host-bound steps (5 rounds); a quick one counts only.
+    results = step_costs.main(options + ([] if quick else ["--time", "5"]))
+    for row in results.pop("scaling"):
+        rows.append(
+            {
+                "benchmark": "loss scaling + step, calls",
+                "case": f"amp {row['opt level']}, 10 tensors",
+                "amp": f"{row['amp calls']} calls",
+                "torch": f"{row['torch.amp.GradScaler calls']} calls",
+                "calls / torch": row["amp / GradScaler"],
+            }
+        )
     for workload, table in results.items():
         reference = next(r for r in table if r["variant"] == "torch.autocast")
         for row in table:
@@ -143,6 +156,8 @@ def step_cost_rows(device, dtype, quick, tiny):
                     "amp": _costs(row),
                     "torch": _costs(reference),
                 }
+                if "time / torch.autocast" in row:
+                    entry["amp / torch"] = row["time / torch.autocast"]
                 if "calls" in row:
                     entry["calls / torch"] = row["calls / torch.autocast"]
                 if "peak MiB" in row:

@@ -1,7 +1,9 @@
-"""Python calls and peak memory of one training step, every precision variant side by side.
+"""Python calls, peak memory and host time of one training step, every precision variant side by
+side.
 
     python benchmarks/step_costs.py [--dtype bfloat16|float16] [--device cpu|cuda] [--quick]
                                     [--tiny] [--optimizer default|foreach|fused]
+                                    [--time ROUNDS] [--steps N]
 
 Variants (variants.py): fp32, torch.autocast + torch.amp.GradScaler (the reference), amp O1,
 amp.autocast + amp.GradScaler, amp O2, amp O3, and a model in `dtype` stepped by torch's fused /
@@ -16,21 +18,31 @@ on the same data with AdamW. Workloads (workloads.py):
            tokens, the CNN at CI size. "At step start"
            includes the previous step's gradients where a variant frees them only at the next
            zero_grad(set_to_none=True).
-Ratios are to torch.autocast (below 1.00: fewer calls, less memory). Figures are counts, not
-times: they do not move with the load of the machine.
+  scaling  the Python calls loss scaling adds to a plain step at 10 parameter tensors: amp's
+           zero_grad + scale_loss + step at O0-O3, torch.amp.GradScaler's scale / unscale_ /
+           step / update (measure.scaling_calls)
+  --time   the calls workloads' step time, ROUNDS rounds of --steps steps whose variant order
+           rotates (harness.interleaved_rounds), each on a fresh trainer warmed up and settled
+           untimed: CPU time of this thread with torch on one thread on the CPU (the host's work,
+           which these sizes leave), wall time with synchronisation on CUDA. The ratio to
+           torch.autocast is the median of the per-round ratios of per-round medians.
+Ratios are to torch.autocast (below 1.00: fewer calls, less memory, less time). Calls and bytes are
+counts, not times: they do not move with the load of the machine; times do, a little.
 """
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import variants  # noqa: E402
 import workloads  # noqa: E402
-from harness import print_table  # noqa: E402
-from measure import peak_memory, python_calls  # noqa: E402
+from harness import interleaved_rounds, print_table  # noqa: E402
+from measure import peak_memory, python_calls, scaling_calls, settle  # noqa: E402
 
 MIB = 2.0**20
 
@@ -60,10 +72,61 @@ def memory(workload, names, dtype, device, optimizer):
     return found
 
 
-def rows(workload, names, counted, measured):
+def host_time(workload, names, dtype, device, optimizer, rounds, steps):
+    """{variant: [its median step time in each round]} (see --time in the module doc)."""
+    if device == "cuda":
+        sync, clock = torch.cuda.synchronize, time.perf_counter
+    else:
+        sync, clock = (lambda: None), time.thread_time
+    batch = workload.batch(device)
+
+    def timed(name):
+        def run():
+            trainer = variants.setup(
+                name, workload.build(device), workloads.loss_fn, dtype, optimizer
+            )
+            try:
+                for _ in range(2):
+                    trainer.step(*batch)
+                settle(trainer, batch)
+                times = []
+                for _ in range(steps):
+                    sync()
+                    begin = clock()
+                    trainer.step(*batch)
+                    sync()
+                    times.append(clock() - begin)
+                return times
+            finally:
+                trainer.close()
+
+        return run
+
+    per_round = interleaved_rounds({name: timed(name) for name in names}, rounds)
+    return {name: [statistics.median(t) for t in times] for name, times in per_round.items()}
+
+
+def scaling_rows():
+    """One row per opt level: the calls amp's loss scaling adds, against torch's GradScaler."""
+    table = []
+    for opt_level in ("O0", "O1", "O2", "O3"):
+        ours, theirs = scaling_calls(opt_level)
+        table.append(
+            {
+                "opt level": opt_level,
+                "amp calls": ours,
+                "torch.amp.GradScaler calls": theirs,
+                "amp / GradScaler": ours / theirs,
+            }
+        )
+    return table
+
+
+def rows(workload, names, counted, measured, timed=None):
     """One row per variant: its calls, peak bytes and bytes at the step's start, and the ratios
     to torch.autocast's (when it ran)."""
     peaks = {name: peak for name, (_, peak) in measured.items()}
+    timed = timed or {}
     table = []
     for name in names:
         row = {"workload": workload, "variant": name}
@@ -75,6 +138,11 @@ def rows(workload, names, counted, measured):
         for column, values in (("calls", counted), ("peak", peaks)):
             if name in values and variants.REFERENCE in values:
                 row[f"{column} / torch.autocast"] = values[name] / values[variants.REFERENCE]
+        if name in timed and variants.REFERENCE in timed:
+            ratios = [ours / theirs for ours, theirs in zip(timed[name], timed[variants.REFERENCE])]
+            row["time"] = statistics.median(timed[name])
+            row["time / torch.autocast"] = statistics.median(ratios)
+            row["rounds"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
         table.append(row)
     return table
 
@@ -86,6 +154,9 @@ COLUMNS = [
     "peak MiB",
     "peak / torch.autocast",
     "at step start MiB",
+    "time",
+    "time / torch.autocast",
+    "rounds",
 ]
 
 
@@ -99,7 +170,13 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="memory workloads at CI sizes")
     parser.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default")
     parser.add_argument("--variants", nargs="+", choices=variants.VARIANTS, default=None)
+    parser.add_argument(
+        "--time", type=int, default=0, metavar="ROUNDS", help="also time the calls workloads"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round (--time)")
     args = parser.parse_args(argv)
+    if args.time and args.device == "cpu":
+        torch.set_num_threads(1)  # the work itself, not the waits of a shared machine
     dtype = getattr(torch, args.dtype)
     names = args.variants or list(variants.VARIANTS)
     plan = [(workloads.host_bound_transformer(depth), True, False) for depth in (1, 4, 16)]
@@ -113,14 +190,28 @@ def main(argv=None):
     for workload, count, weigh in plan:
         counted = calls(workload, names, dtype, args.device, args.optimizer) if count else {}
         measured = memory(workload, names, dtype, args.device, args.optimizer) if weigh else {}
-        table = rows(workload.name, names, counted, measured)
+        timed = {}
+        if count and args.time and variants.REFERENCE in names:
+            timed = host_time(
+                workload, names, dtype, args.device, args.optimizer, args.time, args.steps
+            )
+        table = rows(workload.name, names, counted, measured, timed)
         results[workload.name] = table
         print_table(
             f"one training step, {workload.name}, {args.dtype} on {args.device}, "
             f"AdamW ({args.optimizer}); ratios to torch.autocast + torch.amp.GradScaler",
             table,
             COLUMNS,
+            time_columns=("time",),
         )
+    table = scaling_rows()
+    results["scaling"] = table
+    print_table(
+        "loss scaling + step at 10 parameter tensors: Python calls added to a plain step "
+        "(zero_grad + scale_loss + step; torch: scale / unscale_ / step / update)",
+        table,
+        list(table[0]),
+    )
     return results
 
 

@@ -146,3 +146,26 @@ def test_step_costs_count_and_weigh_every_variant():
     parameter_bytes = 4 * sum(p.numel() for p in workload.build("cpu").parameters())
     assert measured["fp32"][0] >= 4 * parameter_bytes
     assert measured["amp O3"][0] < measured["fp32"][0] * 0.6
+
+
+def test_step_costs_times_the_variants_in_rotating_rounds(monkeypatch):
+    """--time: every round builds each variant afresh and times it; the ratio column is the
+    median of the per-round ratios (here on a clock that counts the steps, not seconds)."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(step_costs.time, "thread_time", lambda: float(next(ticks)))
+    workload = workloads.host_bound_transformer(1)
+    names = ["torch.autocast", "amp O2"]
+    timed = step_costs.host_time(workload, names, torch.bfloat16, "cpu", "default", 2, 3)
+    assert {name: len(times) for name, times in timed.items()} == {name: 2 for name in names}
+    assert all(t == 1.0 for times in timed.values() for t in times)  # one tick per timed step
+    rows = step_costs.rows(workload.name, names, {}, {}, timed)
+    assert [(row["time"], row["time / torch.autocast"]) for row in rows] == [(1.0, 1.0)] * 2
+
+
+def test_step_costs_report_the_calls_loss_scaling_adds_at_every_level():
+    table = step_costs.scaling_rows()
+    assert [row["opt level"] for row in table] == ["O0", "O1", "O2", "O3"]
+    reference = {row["torch.amp.GradScaler calls"] for row in table}
+    assert len(reference) == 1 and reference.pop() > 20
+    # O2's unscale into the masters and copy back cost calls O0 and O3 do not make
+    assert table[2]["amp calls"] > table[0]["amp calls"] == table[3]["amp calls"] > 0

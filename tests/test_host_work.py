@@ -6,12 +6,16 @@ Python calls counted by cProfile: a load-independent figure (no timings in tests
 import cProfile
 import os
 import pstats
+import sys
 
 import pytest
 import torch
 
 import amp
 from amp._state import amp_state
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+from measure import scaling_calls  # noqa: E402
 
 AMP_DIR = os.path.dirname(amp.__file__)
 
@@ -51,9 +55,7 @@ def amp_calls_per_step(opt_level, layers):
         amp.deinitialize()
     stats = pstats.Stats(profile).stats
     return sum(
-        counts[1]
-        for (filename, _, _), counts in stats.items()
-        if filename.startswith(AMP_DIR)
+        counts[1] for (filename, _, _), counts in stats.items() if filename.startswith(AMP_DIR)
     )
 
 
@@ -181,7 +183,9 @@ def _profile_calls(fn):
     fn()
     profile.disable()
     stats = pstats.Stats(profile).stats
-    own = sum(counts[1] for (filename, _, _), counts in stats.items() if filename.startswith(AMP_DIR))
+    own = sum(
+        counts[1] for (filename, _, _), counts in stats.items() if filename.startswith(AMP_DIR)
+    )
     names = {name for (_, _, name) in stats}
     # The profiler's own `disable` is counted once; leave it out.
     return own, pstats.Stats(profile).total_calls - 1, names
@@ -233,77 +237,13 @@ def test_the_export_flag_takes_the_compiled_path(monkeypatch):
     assert traced.dtype == eager.dtype == torch.bfloat16
 
 
-def _step_calls(fn):
-    for _ in range(3):
-        fn()
-    profile = cProfile.Profile()
-    profile.enable()
-    fn()
-    profile.disable()
-    return pstats.Stats(profile).total_calls
-
-
-def _scaling_calls(opt_level):
-    """Python calls amp's zero_grad + scale_loss + step add to a plain step (forward, backward and
-    SGD's own step left out), and those torch.amp.GradScaler's scale / unscale_ / step / update
-    add, at 10 parameter tensors."""
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
-        return model, torch.optim.SGD(model.parameters(), lr=0.01)
-
-    x = torch.randn(4, 8)
-    model, optimizer = make()
-    scaler = torch.amp.GradScaler("cpu")
-
-    def plain():
-        optimizer.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        optimizer.step()
-
-    def torch_path():
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(model(x).square().mean()).backward()
-        scaler.unscale_(optimizer)
-        scaler.step(optimizer)
-        scaler.update()
-
-    def forward():
-        model(x).square().mean()
-
-    base = _step_calls(plain)
-    torch_adds = _step_calls(torch_path) - base
-    backward_and_step = base - _step_calls(forward)
-    model, optimizer = make()
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0
-    )
-
-    def amp_path():
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(x).float().square().mean()
-        with amp.scale_loss(loss, optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-
-    def amp_forward():  # O1's weight casts are made anew, as in amp_path
-        amp_state.cast_cache.clear()
-        model(x).float().square().mean()
-
-    try:
-        amp_adds = _step_calls(amp_path) - (_step_calls(amp_forward) - 1) - backward_and_step
-    finally:
-        amp.deinitialize()
-    return amp_adds, torch_adds
-
-
 @pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
 def test_loss_scaling_costs_no_more_calls_than_torchs_grad_scaler(opt_level):
     """At 10 parameter tensors, amp's scale_loss + step make no more Python calls than torch's
     GradScaler: the kernels' one-device path, the scaler's tensors read without a call,
     is_distributed() without torch.distributed's four calls; at O2 also the master gradients
     sliced once per model, and the model's writes checked and marked in one batch."""
-    amp_adds, torch_adds = _scaling_calls(opt_level)
+    amp_adds, torch_adds = scaling_calls(opt_level)
     assert amp_adds <= torch_adds, (amp_adds, torch_adds)
 
 
