@@ -78,3 +78,49 @@ def test_an_optimizer_checkpoint_saved_first_holds_a_write_into_the_model(skippe
     train_step(model, optimizer, seed=3)
     for resumed, expected in zip(optimizer_params(optimizer), went_on):
         assert torch.equal(resumed, expected)
+
+
+class RawWeight(torch.nn.Module):
+    """A weight made without an in-place init: its version counter starts at 0, as a copy's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def _copy(model, how):
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    return torch.load(saved(model), weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("side", ["model", "state_dict"])
+def test_a_copy_of_the_model_takes_a_pending_write_over_as_the_original_does(how, side):
+    """timm's ModelEmaV2 deep-copies the model; a write not yet taken over when it does (into a
+    parameter, or into a state-dict value) is taken over in the copy as in the original. The
+    copy's tensors count versions from 0: its shadows must not compare the original's counts
+    (stale in the batched marks) with them, which left the copy computing with one weight while
+    its state dict held another (or dropped the write)."""
+    torch.manual_seed(0)
+    model = RawWeight()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.float16, verbosity=0
+    )
+    for seed in range(2):
+        train_step(model, optimizer, seed=seed)
+    with torch.no_grad():
+        if side == "model":
+            model.w.mul_(2)
+        else:
+            model.state_dict()["w"].mul_(2)
+    twin = _copy(model, how)
+    x = torch.randn(3, 4)
+    assert torch.equal(twin(x), model(x))
+    assert torch.equal(twin.w, model.w)
+    assert torch.equal(twin.state_dict()["w"], model.state_dict()["w"])
+    assert torch.equal(twin.state_dict()["w"].half(), twin.w.detach())

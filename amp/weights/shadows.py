@@ -52,6 +52,23 @@ class Shadow:
         tensors = self.module._parameters if self.is_param else self.module._buffers
         return tensors.get(self.name)
 
+    def __getstate__(self):
+        # A copy of the model (deepcopy, pickle) has new tensors, whose version counters start
+        # anew: it keeps whether each side was written since the mark, not the counts, so that
+        # a write not yet taken over is taken over in the copy as in the original.
+        if _lagging:
+            flush()
+        state = self.__dict__.copy()
+        state["low_version"] = self.low is not None and self.low._version == self.low_version
+        state["fp32_version"] = self.fp32._version == self.fp32_version
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        clean_low, clean_fp32 = state["low_version"] is True, state["fp32_version"] is True
+        self.low_version = self.low._version if clean_low else None  # None: written since
+        self.fp32_version = self.fp32._version if clean_fp32 else None
+
     def mark(self):
         """The two sides agree now (amp wrote one from the other)."""
         if _lagging:
