@@ -10,6 +10,7 @@ import torch
 
 import amp
 from amp._state import amp_state
+from amp.weights import shadows
 
 
 @pytest.fixture(autouse=True)
@@ -124,3 +125,116 @@ def test_a_copy_of_the_model_takes_a_pending_write_over_as_the_original_does(how
     assert torch.equal(twin.w, model.w)
     assert torch.equal(twin.state_dict()["w"], model.state_dict()["w"])
     assert torch.equal(twin.state_dict()["w"].half(), twin.w.detach())
+
+
+def _trained(steps=2, **kwargs):
+    model, optimizer = setup(**kwargs)
+    for seed in range(steps):
+        train_step(model, optimizer, seed=seed)
+    return model, optimizer
+
+
+def test_a_mask_between_backward_and_step_is_taken_exactly_where_it_changed_the_weight():
+    """Steady state (the marks batched since the last step): a pruning mask applied between
+    backward and step zeroes those masters; every other master keeps its FP32 value, not the
+    low-precision one."""
+    model, optimizer = _trained(optimizer_class=torch.optim.SGD)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    before = optimizer_params(optimizer)[2]
+    assert not torch.equal(before, before.half().float())  # FP32 digits the model lacks
+    mask = (torch.arange(16).reshape(4, 4) % 2).bool()
+    optimizer.zero_grad()
+    loss = model(torch.randn(8, 4)).float().square().mean()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    with torch.no_grad():
+        model[2].weight.masked_fill_(mask, 0.0)
+    optimizer.step()
+    master = optimizer_params(optimizer)[2]
+    assert torch.equal(master, before.masked_fill(mask, 0.0))
+    assert torch.equal(model[2].weight, master.half())
+
+
+def test_a_write_after_a_skipped_step_shows_in_master_params_and_is_stepped_from():
+    """The check for outside writes runs at step() and in amp.master_params: a write followed by
+    a skipped step is in the masters amp.master_params yields, and the next step starts from it."""
+    model, optimizer = _trained(optimizer_class=torch.optim.SGD)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # a power of two: exact in FP16
+    written = model[0].weight.detach().float()
+    train_step(model, optimizer, seed=5, scale=1e30)  # FP16 gradients overflow: skipped
+    assert amp.last_overflow() is not None
+    assert torch.equal(list(amp.master_params(optimizer))[0].detach(), written)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    train_step(model, optimizer, seed=6)
+    assert torch.equal(optimizer_params(optimizer)[0], written)
+
+
+def test_writes_into_two_optimizers_models_survive_one_flush_of_both_batches():
+    """Two optimizers' loads (a resume) leave two batches of marks waiting; a state dict of one
+    model writes both into their shadows. A write into each model made before that (a broadcast
+    after the resume) is still taken into its own masters at its next step, exactly."""
+    first, second = make_model(0), make_model(1)
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
+    (first, second), (opt_first, opt_second) = amp.initialize(
+        [first, second], [opt_first, opt_second], opt_level="O2", verbosity=0
+    )
+    for seed in range(2):
+        train_step(first, opt_first, seed=seed)
+        train_step(second, opt_second, seed=seed + 10)
+    states = [optimizer.state_dict() for optimizer in (opt_first, opt_second)]
+    for optimizer, state in zip((opt_first, opt_second), states):
+        for group in state["param_groups"]:
+            group["lr"] = 0.0
+        optimizer.load_state_dict(state)  # amp's own write into the model: marked in a batch
+    assert len(shadows._lagging) == 2
+    with torch.no_grad():
+        first[0].weight.mul_(2)
+        second[2].bias.mul_(2)
+    written = first[0].weight.detach().float(), second[2].bias.detach().float()
+    second.state_dict()  # writes both batches into their shadows
+    train_step(first, opt_first, seed=20)
+    train_step(second, opt_second, seed=21)
+    assert torch.equal(optimizer_params(opt_first)[0], written[0])
+    assert torch.equal(optimizer_params(opt_second)[3], written[1])
+
+
+def test_deinitialize_with_batched_marks_keeps_a_pending_write_and_initializes_again():
+    model, optimizer = _trained(optimizer_class=torch.optim.SGD)
+    masters = optimizer_params(optimizer)
+    mask = torch.eye(4, dtype=torch.bool)
+    with torch.no_grad():
+        model[0].weight.masked_fill_(mask, 0.0)
+    amp.deinitialize()
+    assert model[0].weight.dtype is torch.float32
+    assert torch.equal(model[0].weight.detach(), masters[0].masked_fill(mask, 0.0))
+    assert torch.equal(model[2].weight.detach(), masters[2])
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    train_step(model, optimizer, seed=7)
+    with torch.no_grad():
+        model[2].weight.mul_(0.5)
+    written = model[2].weight.detach().float()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    train_step(model, optimizer, seed=8)
+    assert torch.equal(optimizer_params(optimizer)[2], written)
+
+
+def test_a_conflict_with_batched_marks_is_won_by_the_fp32_side():
+    """A held state dict written while the model parameter was written too: the FP32 value
+    reaches the model before the next forward and stays the master's."""
+    model, optimizer = _trained(optimizer_class=torch.optim.SGD)
+    held = model.state_dict()
+    train_step(model, optimizer, seed=3)  # the marks batched again
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+        held["0.weight"].fill_(0.25)
+    model(torch.randn(2, 4))
+    assert torch.equal(model[0].weight, torch.full((4, 4), 0.25, dtype=torch.float16))
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    train_step(model, optimizer, seed=4)
+    assert torch.equal(optimizer_params(optimizer)[0], torch.full((4, 4), 0.25))
