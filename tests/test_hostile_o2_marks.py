@@ -238,3 +238,31 @@ def test_a_conflict_with_batched_marks_is_won_by_the_fp32_side():
         group["lr"] = 0.0
     train_step(model, optimizer, seed=4)
     assert torch.equal(optimizer_params(optimizer)[0], torch.full((4, 4), 0.25))
+
+
+@pytest.mark.parametrize("how", ["prune.remove", "data assignment"])
+def test_a_weight_given_new_data_of_its_shape_is_taken_into_its_master(how):
+    """`param.data = tensor` keeps the parameter's version counter, and the shape: the new
+    storage is what tells. torch.nn.utils.prune.remove makes a pruning permanent that way; the
+    next step copied the unpruned master back into the model."""
+    import torch.nn.utils.prune as prune
+
+    model, optimizer = _trained(optimizer_class=torch.optim.SGD)
+    weight = model[2].weight
+    if how == "prune.remove":
+        prune.l1_unstructured(model[2], "weight", amount=0.5)
+        train_step(model, optimizer, seed=3)
+        prune.remove(model[2], "weight")
+        assert model[2].weight is weight
+    else:
+        weight.data = weight.data.masked_fill(torch.eye(4, dtype=torch.bool), 0.0)
+    pruned = weight.detach().float()
+    masters = optimizer_params(optimizer)
+    assert not torch.equal(masters[2].half().float(), pruned)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    train_step(model, optimizer, seed=4)
+    expected = torch.where(pruned != masters[2].half().float(), pruned, masters[2])
+    assert torch.equal(optimizer_params(optimizer)[2], expected)
+    assert torch.equal(weight.float(), pruned)
+    assert torch.equal(model.state_dict()["2.weight"], expected)
