@@ -266,3 +266,34 @@ def test_a_weight_given_new_data_of_its_shape_is_taken_into_its_master(how):
     assert torch.equal(optimizer_params(optimizer)[2], expected)
     assert torch.equal(weight.float(), pruned)
     assert torch.equal(model.state_dict()["2.weight"], expected)
+
+
+class _Int(int):
+    pass
+
+
+@pytest.mark.parametrize(
+    "loss_id",
+    [2, -1, -2, True, False, 2**70, -(2**70), 1.0, "0", None, torch.tensor(1), "np.int64"],
+)
+def test_a_loss_id_that_is_no_int_below_num_losses_is_refused_and_changes_nothing(loss_id):
+    """The check was rewritten around an IndexError: bools, negative ids (which a list would
+    index from the end), ids too large for an index, and non-ints stay refused, before any
+    gradient is taken; an int subclass below num_losses is taken."""
+    if loss_id == "np.int64":
+        np = pytest.importorskip("numpy")
+        loss_id = np.int64(1)
+    model, optimizer = setup(optimizer_class=torch.optim.SGD, num_losses=2)
+    train_step(model, optimizer)
+    loss = model(torch.randn(8, 4)).float().sum()
+    loss.backward(retain_graph=True)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"num_losses=2, so use 0 to 1"):
+        with amp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+            scaled.backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert not optimizer._amp_record.stash.frames
+    optimizer.zero_grad()
+    with amp.scale_loss(loss, optimizer, loss_id=_Int(1)) as scaled:
+        scaled.backward()
+    optimizer.step()
