@@ -277,6 +277,26 @@ def test_is_distributed_reads_the_default_group_now(monkeypatch):
     assert not distributed.is_distributed()
 
 
+def test_is_distributed_follows_a_world_put_in_place_later(monkeypatch):
+    """torch's threaded process groups (its multi-threaded tests) replace c10d's world object by
+    a thread-local one whose default group is a property only: read at import, the world gave
+    False under it (ranks deciding skips alone), or an AttributeError at every scale_loss."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    from amp.compat import distributed
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    world = multi_threaded_pg._install_threaded_pg()
+    try:
+        assert not distributed.is_distributed()
+        world.default_pg = object()
+        assert distributed.is_distributed()
+        world.default_pg = None
+    finally:
+        multi_threaded_pg._uninstall_threaded_pg()
+    assert not distributed.is_distributed()
+
+
 def test_the_weight_cast_cache_is_cleared_only_when_filled():
     """Every store into the weight-cast cache (the wrappers' inlined path and the cache's own
     function) marks it filled, so that scale_loss and step clear it; with nothing cast they make

@@ -33,7 +33,7 @@ def _dtensor_class():
 
 
 _AVAILABLE = torch.distributed.is_available()  # fixed when torch was built
-_WORLD = torch.distributed.distributed_c10d._world if _AVAILABLE else None
+_C10D = torch.distributed.distributed_c10d if _AVAILABLE else None
 
 
 def is_distributed():
@@ -41,8 +41,16 @@ def is_distributed():
 
     It runs every step: torch.distributed.is_initialized() read directly (the default group, read
     now: one can be made or destroyed at any time), without its four Python calls (the
-    `default_pg` property included)."""
-    return _AVAILABLE and _WORLD._default_pg is not None and torch.distributed.get_world_size() > 1
+    `default_pg` property included). The world is read now too: torch's threaded process groups
+    (its multi-threaded tests) put a thread-local world in its place."""
+    if not _AVAILABLE:
+        return False
+    world = _C10D._world
+    try:
+        default_pg = world._default_pg
+    except AttributeError:  # torch's ThreadLocalWorld: the default group is a property only
+        default_pg = world.default_pg
+    return default_pg is not None and torch.distributed.get_world_size() > 1
 
 
 def reduce_flag(flag):

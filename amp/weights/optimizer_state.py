@@ -12,6 +12,9 @@ MASTER_PARAMS_KEY = "amp_master_params"
 def state_dict(record):
     state = record.originals["state_dict"]()
     if record.master_pairs:
+        # A write into the model since the last step (a mask, a broadcast) is the masters' value
+        # from then on; a checkpoint serialized before anything else looked must hold it.
+        record.follow_external_writes()
         state[MASTER_PARAMS_KEY] = {
             index: master.detach() for index, (_, master) in record.master_indices().items()
         }

@@ -8,8 +8,10 @@ returns the shadows themselves, so that code which updates a
 model in place through its state dict (timm's ModelEmaV2/V3 on a `copy.deepcopy` of the model)
 changes what the model computes with: a write into a shadow is copied into the low-precision
 tensor before the next forward. A write into the low-precision tensor (a `param.copy_`,
-DataParallel's broadcast, a `clamp_`) is taken into the shadow where it changed the
-low-precision value, so a write that changes nothing leaves the FP32 value alone.
+DataParallel's broadcast, a `clamp_`, new data of its shape by `param.data = ...` as
+torch.nn.utils.prune.remove makes) is taken into the shadow where it changed the low-precision
+value, so a write that changes nothing leaves the FP32 value alone. Writes through `param.data`
+in place (`param.data.clamp_(...)`) bump no version counter: they are not seen.
 
 The shadows live in the hooks amp registers on the model (picklable module-level classes), so a
 deepcopy or a pickle of the model carries its own shadows along.
@@ -32,6 +34,8 @@ _NAME = operator.attrgetter("name")
 _PARAMETERS = operator.attrgetter("module._parameters")
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
+_LOW_DATA = operator.attrgetter("low_data")
+_DATA = torch.Tensor.data_ptr  # `param.data = t` keeps the version counter: the storage tells
 
 
 class Shadow:
@@ -45,6 +49,7 @@ class Shadow:
         self.transient = transient  # made by a state dict at O3; dropped at the next forward
         self.low = None  # the low-precision tensor last synced
         self.low_version = self.fp32_version = None
+        self.low_data = None  # where the low-precision tensor's data was (`param.data = ...`)
         # Only what is seen to have changed is taken from the low-precision side: a write that
         # rounds to the same value (a `clamp_` that clamps nothing) leaves the FP32 value alone.
 
@@ -52,12 +57,34 @@ class Shadow:
         tensors = self.module._parameters if self.is_param else self.module._buffers
         return tensors.get(self.name)
 
+    def __getstate__(self):
+        # A copy of the model (deepcopy, pickle) has new tensors, whose version counters start
+        # anew: it keeps whether each side was written since the mark, not the counts, so that
+        # a write not yet taken over is taken over in the copy as in the original.
+        if _lagging:
+            flush()
+        state = self.__dict__.copy()
+        low = self.low
+        state["low_version"] = (
+            low is not None and low._version == self.low_version and _DATA(low) == self.low_data
+        )
+        state["fp32_version"] = self.fp32._version == self.fp32_version
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        clean_low, clean_fp32 = state["low_version"] is True, state["fp32_version"] is True
+        self.low_version = self.low._version if clean_low else None  # None: written since
+        self.low_data = _DATA(self.low) if clean_low else None
+        self.fp32_version = self.fp32._version if clean_fp32 else None
+
     def mark(self):
         """The two sides agree now (amp wrote one from the other)."""
         if _lagging:
             flush()  # an older batched mark must not overwrite this one later
         self.low = self.current()
         self.low_version = None if self.low is None else self.low._version
+        self.low_data = None if self.low is None else _DATA(self.low)
         self.fp32_version = self.fp32._version
 
     def push(self):
@@ -79,7 +106,11 @@ class Shadow:
                 self.fp32 = low.detach().float()  # a new tensor was assigned: it is the value
             elif self.fp32._version != self.fp32_version:
                 low.copy_(self.fp32)
-            elif low._version != self.low_version or not self.is_param:
+            elif (
+                low._version != self.low_version
+                or _DATA(low) != self.low_data
+                or not self.is_param
+            ):
                 # A buffer is compared every time: batch norm updates its running statistics
                 # without bumping their version counter.
                 changed = low != self.fp32.to(low.dtype)
@@ -103,6 +134,7 @@ def sync_params(shadows):
         if (
             all(map(operator.is_, currents, lows))
             and list(map(_VERSION, lows)) == list(map(_LOW_VERSION, shadows))
+            and list(map(_DATA, lows)) == list(map(_LOW_DATA, shadows))
             and list(map(_VERSION, fp32s)) == list(map(_FP32_VERSION, shadows))
             and list(map(_SHAPE, lows)) == list(map(_SHAPE, fp32s))  # `param.data = ...`
         ):
@@ -114,6 +146,7 @@ def sync_params(shadows):
             current is None
             or current is not shadow.low
             or current._version != shadow.low_version
+            or _DATA(current) != shadow.low_data
             or shadow.fp32._version != shadow.fp32_version
             or current.shape != shadow.fp32.shape
         ):
@@ -133,6 +166,7 @@ def flush():
     for book in books:
         set_each(book.shadows, "low", book.lows)
         set_each(book.shadows, "low_version", book.low_versions)
+        set_each(book.shadows, "low_data", book.low_datas)
         set_each(book.shadows, "fp32_version", book.fp32_versions)
 
 
@@ -154,6 +188,7 @@ class ParamMarks:
         "names",
         "shapes",
         "low_versions",
+        "low_datas",
         "fp32_versions",
     )
 
@@ -171,6 +206,7 @@ class ParamMarks:
             self.names = list(map(_NAME, shadows))
             self.shapes = list(map(_SHAPE, self.lows))
         self.low_versions = list(map(_VERSION, self.lows))
+        self.low_datas = list(map(_DATA, self.lows))
         self.fp32_versions = list(map(_VERSION, self.fp32s))
         _lagging.pop(self, None)
         _lagging[self] = None  # the newest batch is written last
@@ -183,6 +219,7 @@ class ParamMarks:
             and self in _lagging
             and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.lows))
             and list(map(_VERSION, self.lows)) == self.low_versions
+            and list(map(_DATA, self.lows)) == self.low_datas
             and list(map(_VERSION, self.fp32s)) == self.fp32_versions
             and list(map(_SHAPE, self.lows)) == self.shapes  # `param.data = ...`
         )
