@@ -202,6 +202,37 @@ def test_writes_into_two_optimizers_models_survive_one_flush_of_both_batches():
     assert torch.equal(optimizer_params(opt_second)[3], written[1])
 
 
+def test_two_optimizers_keep_their_batches_step_after_step(monkeypatch):
+    """Each optimizer's step checks its own batch; one finding nothing must not write out the
+    other's (they took turns writing each other's out, and every step of both did the full
+    per-parameter check)."""
+    first, second = make_model(0), make_model(1)
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
+    (first, second), (opt_first, opt_second) = amp.initialize(
+        [first, second], [opt_first, opt_second], opt_level="O2", verbosity=0
+    )
+    for seed in range(2):
+        train_step(first, opt_first, seed=seed)
+        train_step(second, opt_second, seed=seed + 10)
+    full_checks = []
+    original = shadows.sync_params
+    monkeypatch.setattr(
+        "amp.weights.masters.sync_params", lambda s: full_checks.append(s) or original(s)
+    )
+    for seed in range(2, 5):
+        train_step(first, opt_first, seed=seed)
+        train_step(second, opt_second, seed=seed + 10)
+    assert full_checks == []
+    with torch.no_grad():
+        second[0].weight.mul_(2)  # an outside write: that optimizer's step checks in full
+    written = second[0].weight.detach().float()
+    train_step(first, opt_first, seed=5)
+    opt_second.zero_grad()
+    assert torch.equal(list(amp.master_params(opt_second))[0], written)
+    assert len(full_checks) == 1
+
+
 def test_deinitialize_with_batched_marks_keeps_a_pending_write_and_initializes_again():
     model, optimizer = _trained(optimizer_class=torch.optim.SGD)
     masters = optimizer_params(optimizer)

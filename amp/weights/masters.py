@@ -94,6 +94,7 @@ class MasterWeights:
         if self.models:
             shadows = self._shadows or self.shadows()
             if not self._marks.unchanged(shadows):
+                self._marks.write()
                 sync_params(shadows)
 
     def before_step(self):
@@ -103,6 +104,7 @@ class MasterWeights:
         without this O2 would not step)."""
         shadows = self._shadows or self.shadows()  # follow_external_writes, inlined: every step
         if not self._marks.unchanged(shadows):
+            self._marks.write()
             sync_params(shadows)
         if all(map(operator.is_, map(_grad, self.models), _NONES)):
             return  # the usual case: scale_loss took them

@@ -107,9 +107,7 @@ class Shadow:
             elif self.fp32._version != self.fp32_version:
                 low.copy_(self.fp32)
             elif (
-                low._version != self.low_version
-                or _DATA(low) != self.low_data
-                or not self.is_param
+                low._version != self.low_version or _DATA(low) != self.low_data or not self.is_param
             ):
                 # A buffer is compared every time: batch norm updates its running statistics
                 # without bumping their version counter.
@@ -123,10 +121,11 @@ def sync_params(shadows):
     last synced or marked it.
 
     The common answer, none, comes from comparing whole lists of tensors and version counters at
-    C level; only a shadow found changed is looked at on its own.
+    C level; only a shadow found changed is looked at on its own. The caller first writes its
+    own batched marks into these shadows (ParamMarks.write); another optimizer's batch stays
+    batched (a marked value older than the newest can only make a shadow look written, and a
+    shadow looked at on its own writes every batch first).
     """
-    if _lagging:
-        flush()
     currents = list(map(dict.get, map(_PARAMETERS, shadows), map(_NAME, shadows)))
     lows = list(map(_LOW, shadows))
     fp32s = list(map(_FP32, shadows))
@@ -164,10 +163,7 @@ def flush():
     books = list(_lagging)
     _lagging.clear()
     for book in books:
-        set_each(book.shadows, "low", book.lows)
-        set_each(book.shadows, "low_version", book.low_versions)
-        set_each(book.shadows, "low_data", book.low_datas)
-        set_each(book.shadows, "fp32_version", book.fp32_versions)
+        book.write_out()
 
 
 class ParamMarks:
@@ -210,6 +206,19 @@ class ParamMarks:
         self.fp32_versions = list(map(_VERSION, self.fp32s))
         _lagging.pop(self, None)
         _lagging[self] = None  # the newest batch is written last
+
+    def write(self):
+        """Write this batch alone into its shadows, if it still waits (before a sync_params)."""
+        if self in _lagging:
+            del _lagging[self]
+            self.write_out()
+
+    def write_out(self):
+        shadows = self.shadows
+        set_each(shadows, "low", self.lows)
+        set_each(shadows, "low_version", self.low_versions)
+        set_each(shadows, "low_data", self.low_datas)
+        set_each(shadows, "fp32_version", self.fp32_versions)
 
     def unchanged(self, shadows):
         """True when neither side of any of `shadows` was written, replaced or moved since this
