@@ -90,6 +90,17 @@ def test_a_write_into_one_parameter_is_taken_into_its_master_alone():
         amp.deinitialize()
 
 
+def _o2_stepped(lr):
+    """An O2 model and its SGD after one step (its marks batched)."""
+    model = make_model(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    _o2_step(model, optimizer)
+    return model, optimizer
+
+
 def _o2_step(model, optimizer):
     loss = model(torch.randn(8, 4)).float().sum()
     with amp.scale_loss(loss, optimizer) as scaled:
@@ -102,13 +113,8 @@ def test_batched_marks_read_as_marks_made_one_by_one():
     on its own writes the batch into every shadow, which then reads as if marked one by one."""
     from amp.weights import shadows as shadows_module
 
-    model = make_model(3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
+    model, optimizer = _o2_stepped(lr=0.1)
     try:
-        _o2_step(model, optimizer)
         record = optimizer._amp_record
         shadows = record.shadows()
         assert shadows_module._lagging  # the step's marks wait in their batch
@@ -127,13 +133,8 @@ def test_batched_marks_read_as_marks_made_one_by_one():
 def test_a_write_into_the_model_after_a_step_wins_over_the_batched_marks(where):
     """A write into a model parameter after the step (its marks still batched) is taken into the
     master, by a state dict or by the next step; it is never overwritten from the master."""
-    model = make_model(3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
+    model, optimizer = _o2_stepped(lr=0.0)
     try:
-        _o2_step(model, optimizer)
         with torch.no_grad():
             model[2].weight.mul_(2)  # a power of two: exact in bfloat16
         written = model[2].weight.detach().clone()

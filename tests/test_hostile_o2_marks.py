@@ -172,10 +172,8 @@ def test_a_write_after_a_skipped_step_shows_in_master_params_and_is_stepped_from
     assert torch.equal(optimizer_params(optimizer)[0], written)
 
 
-def test_writes_into_two_optimizers_models_survive_one_flush_of_both_batches():
-    """Two optimizers' loads (a resume) leave two batches of marks waiting; a state dict of one
-    model writes both into their shadows. A write into each model made before that (a broadcast
-    after the resume) is still taken into its own masters at its next step, exactly."""
+def two_trained_optimizers():
+    """Two O2 models, each with its SGD, after two steps of each: both batches of marks wait."""
     first, second = make_model(0), make_model(1)
     opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
     opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
@@ -185,6 +183,14 @@ def test_writes_into_two_optimizers_models_survive_one_flush_of_both_batches():
     for seed in range(2):
         train_step(first, opt_first, seed=seed)
         train_step(second, opt_second, seed=seed + 10)
+    return first, second, opt_first, opt_second
+
+
+def test_writes_into_two_optimizers_models_survive_one_flush_of_both_batches():
+    """Two optimizers' loads (a resume) leave two batches of marks waiting; a state dict of one
+    model writes both into their shadows. A write into each model made before that (a broadcast
+    after the resume) is still taken into its own masters at its next step, exactly."""
+    first, second, opt_first, opt_second = two_trained_optimizers()
     states = [optimizer.state_dict() for optimizer in (opt_first, opt_second)]
     for optimizer, state in zip((opt_first, opt_second), states):
         for group in state["param_groups"]:
@@ -206,15 +212,7 @@ def test_two_optimizers_keep_their_batches_step_after_step(monkeypatch):
     """Each optimizer's step checks its own batch; one finding nothing must not write out the
     other's (they took turns writing each other's out, and every step of both did the full
     per-parameter check)."""
-    first, second = make_model(0), make_model(1)
-    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
-    opt_second = torch.optim.SGD(second.parameters(), lr=0.1)
-    (first, second), (opt_first, opt_second) = amp.initialize(
-        [first, second], [opt_first, opt_second], opt_level="O2", verbosity=0
-    )
-    for seed in range(2):
-        train_step(first, opt_first, seed=seed)
-        train_step(second, opt_second, seed=seed + 10)
+    first, second, opt_first, opt_second = two_trained_optimizers()
     full_checks = []
     original = shadows.sync_params
     monkeypatch.setattr(
