@@ -1,6 +1,11 @@
 """amp: automatic mixed precision for PyTorch, with apex.amp's API and torch.amp's, undoable."""
 
-from .casting import torch_patches as _torch_patches  # noqa: F401  (sets up the shared patch set)
+from . import _state
+from .apex_interop.apex_state import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
+from .apex_interop.real_apex import warn_if_real_apex_amp as _warn_if_real_apex_amp
+from .casting import casts as _casts
+from .casting import torch_autocast as _torch_autocast
+from .casting import torch_patches as _torch_patches
 from .casting.autocast import autocast, custom_bwd, custom_fwd, disable_casts
 from .casting.registration import (
     float_function,
@@ -10,17 +15,24 @@ from .casting.registration import (
     register_half_function,
     register_promote_function,
 )
-from .casting.trace import trace
-from .compat.apex_state import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
-from .compat.real_apex import warn_if_real_apex_amp as _warn_if_real_apex_amp
+from .diagnostics import origin as _origin
 from .diagnostics.audit import audit
+from .diagnostics.nonfinite_loss import NonFiniteLossWarning
+from .diagnostics.overflow import last_overflow
+from .diagnostics.trace import trace
 from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
 from .scaling.grad_scaler import GradScaler
 from .scaling.handle import scale_loss
-from .scaling.nonfinite_loss import NonFiniteLossWarning
-from .scaling.overflow import last_overflow
 
 __version__ = "0.1.0"
+
+# The one place amp's global state is made: the objects of the layers, given to the state.
+_state.amp_state.build(
+    cast_cache=_casts.WeightCastCache(),
+    torch_patches=_torch_patches.TorchPatches(),
+    origin_watch=_origin.OriginWatch(),
+    first_policy=_torch_autocast.first_policy,
+)
 
 _warn_if_real_apex_amp()  # never shadowed silently by an apex that has its own apex.amp
 
@@ -52,4 +64,4 @@ __all__ = [
     "audit",
 ]
 # Not public: amp.kernels (stable interface, used by amp itself), LossScaler, PatchLedger.
-# amp._amp_state is apex's internal state object for scripts that use it (amp/compat/apex_state.py).
+# amp._amp_state is apex's internal state object for scripts that use it (amp/apex_interop/apex_state.py).

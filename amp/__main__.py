@@ -19,7 +19,7 @@ def report():
 
     import amp
     from amp import hardware, kernels, lists
-    from amp.compat import real_apex
+    from amp.apex_interop import real_apex
 
     lines = [
         f"amp {amp.__version__}",

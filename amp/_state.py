@@ -13,33 +13,26 @@ class _Inherit:
         return "INHERIT"
 
 
-INHERIT = _Inherit()  # a thread's policy when it has set none: ThreadState.default_policy holds
+INHERIT = _Inherit()  # a thread's policy when it has set none: AmpState.default_policy holds
 
 
 class ThreadState(threading.local):
     """Per-thread casting state.
 
-    `amp.initialize(opt_level="O1")` sets the class attribute `default_policy`, so casting applies
-    in every thread; `autocast` and `disable_casts` set `policy` on the instance, which affects the
-    current thread only. Every thread's instance holds all three attributes from its first use:
-    torch.compile guards a value read through a threading.local's class default with a check of
-    the instance dict that misses later per-thread writes (a graph made outside a region would be
-    reused inside one).
+    `autocast` and `disable_casts` set `policy`, which affects the current thread only; a thread
+    whose policy is INHERIT follows `AmpState.default_policy` (O1's, for every thread). Every
+    thread's instance holds all its attributes from its first use: torch.compile guards a value
+    read through a threading.local's class default with a check of the instance dict that misses
+    later per-thread writes (a graph made outside a region would be reused inside one).
     """
 
-    default_policy = None  # the CastPolicy of every thread whose own policy is INHERIT
-    first_policy = staticmethod(lambda: INHERIT)  # a new thread's policy (casting/torch_autocast)
-
-    def __init__(self):
-        self.policy = ThreadState.first_policy()  # this thread's own: a CastPolicy, None or INHERIT
-        self.trace = None  # the innermost active casting.trace.Trace, or None
+    def __init__(self, state):
+        # A new thread's policy: INHERIT, unless it starts inside a torch.autocast region of
+        # torch's own (AmpState.first_policy, set by AmpState.build).
+        self.policy = state.first_policy()  # this thread's own: a CastPolicy, None or INHERIT
+        self.trace = None  # the innermost active diagnostics.trace.Trace, or None
         self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
         self.fp32_scopes = []  # casting-off scopes of the fp32_modules running in this thread
-
-    def current_policy(self):
-        """The CastPolicy in force in this thread, or None."""
-        policy = self.policy
-        return ThreadState.default_policy if policy is INHERIT else policy
 
 
 class Registrations(collections.abc.MutableMapping):
@@ -75,27 +68,48 @@ class Registrations(collections.abc.MutableMapping):
         return len(self._entries)
 
 
+def _inherit():
+    return INHERIT
+
+
 class AmpState:
+    """Everything amp keeps between calls. The objects of the layers above (the weight-cast cache,
+    the patch set, the origin watch, the first policy of a new thread) are given to `build` by
+    the package's __init__, the one place global state is made."""
+
     def __init__(self):
-        self.thread = ThreadState()
+        self.first_policy = _inherit  # a new thread's policy (casting.torch_autocast.first_policy)
+        self.thread = ThreadState(self)
         self.lock = threading.RLock()
-        # Filled by casting.casts / casting.torch_patches at import; they live here so that there
-        # is one place to look for everything amp keeps between calls.
-        self.cast_cache = None
-        self.torch_patches = None
+        self.default_policy = None  # the CastPolicy of every thread whose own policy is INHERIT
+        self.cast_cache = None  # casting.casts.WeightCastCache
+        self.torch_patches = None  # casting.torch_patches.TorchPatches
+        self.patch_users = 0  # open regions and O1 initializations holding the torch patches
         self.user_registrations = Registrations()  # kept across deinitialize
         self.cuda_kernels = None  # amp.kernels.BackendChoice, probed on first use with CUDA
         # Some thread casts (a region, O1) or traces: only then does a patched call look at its
         # thread's state (a threading.local read costs about 150 ns; this flag, one attribute).
         self.active = False
         self.traces = 0  # amp.trace() blocks open in any thread
-        # scaling.origin.OriginWatch, set at its import; it outlives initialize (GradScaler uses it)
+        # diagnostics.origin.OriginWatch; it outlives initialize (GradScaler uses it)
         self.origin_watch = None
         self.reset()
 
+    def build(self, cast_cache, torch_patches, origin_watch, first_policy):
+        """Give the state its objects from the layers above (once, from amp/__init__.py)."""
+        self.cast_cache = cast_cache
+        self.torch_patches = torch_patches
+        self.origin_watch = origin_watch
+        self.first_policy = first_policy
+
+    def current_policy(self):
+        """The CastPolicy in force in this thread, or None."""
+        policy = self.thread.policy
+        return self.default_policy if policy is INHERIT else policy
+
     def refresh_active(self):
         """Recompute `active` (under `lock`) after a region, an O1 or a trace began or ended."""
-        self.active = self.torch_patches.users > 0 or self.traces > 0
+        self.active = self.patch_users > 0 or self.traces > 0
 
     def reset(self):
         self.initialized = False  # amp.initialize was called and not undone
@@ -109,13 +123,13 @@ class AmpState:
         self.fp32_modules = set()  # the modules fp32_modules= keeps in FP32 (casting.fp32_modules)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
-        self.ledger = None  # casting.patching.PatchLedger of the current initialize
+        self.ledger = None  # patching.PatchLedger of the current initialize
         self.last_overflow = None
         # A run of steps skipped for a non-finite loss: None, "pending" (to warn) or "warned"
         self.nonfinite_loss_run = None
         if self.origin_watch is not None:
             self.origin_watch.disarm()  # no hook outlives the initialize that armed it
-        self.parameter_watch = None  # compat.distributed.ParameterWatch of the optimizers' parameters
+        self.parameter_watch = None  # weights.engines.ParameterWatch of the optimizers' parameters
 
 
 amp_state = AmpState()

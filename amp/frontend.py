@@ -8,13 +8,13 @@ import warnings
 import torch
 
 from . import properties as properties_module
-from ._state import ThreadState, amp_state, logger
+from .patching import PatchLedger
+from ._state import amp_state, logger
 from .casting import fp32_modules as fp32_modules_module
 from .casting import native_autocast
 from .casting.casts import policy_for
-from .casting.patching import PatchLedger
-from .compat import distributed
 from .scaling.scaler import LossScaler, check_state
+from .weights import engines
 from .weights import model as model_module
 from .weights import optimizer as optimizer_module
 from .weights.masters import match_state_to_params
@@ -144,7 +144,7 @@ def initialize(
     Args:
         models: an ``nn.Module`` or a list of them, not yet wrapped in (Distributed)DataParallel.
         optimizers: a ``torch.optim.Optimizer`` (or an object wrapping one, like apex's LARC:
-            see amp/compat/optimizer_wrappers.py), a list of them, or None.
+            see amp/apex_interop/optimizer_wrappers.py), a list of them, or None.
         enabled (bool, default=True): False returns the arguments untouched and makes every
             other amp call a no-op.
         opt_level (str, default="O1"): "O0", "O1", "O2" or "O3" (the letter O).
@@ -220,7 +220,7 @@ def initialize(
         for index, model in enumerate(model_list):
             model_module.check_hookable(model, index, properties.opt_level)
     kept_fp32 = fp32_modules_module.resolve(fp32_modules, model_list)
-    distributed.check_engines(model_list, optimizer_list, properties)
+    engines.check_engines(model_list, optimizer_list, properties)
 
     snapshot = Snapshot(model_list, optimizer_list)
     patches_installed = amp_state.torch_patches.installed
@@ -236,7 +236,7 @@ def initialize(
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)
         ]
-        amp_state.parameter_watch = distributed.watch_parameters(
+        amp_state.parameter_watch = engines.watch_parameters(
             model_list, optimizer_list, on_move=model_module.follow_parameter
         )
     except BaseException:
@@ -296,8 +296,8 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     if properties.patch_torch_functions:
         amp_state.torch_patches.acquire()
         ledger.add_undo("torch patches", amp_state.torch_patches.release)
-        ThreadState.default_policy = policy_for(properties.dtype, properties.dtype)
-        ledger.add_undo("O1 policy", lambda: setattr(ThreadState, "default_policy", None))
+        amp_state.default_policy = policy_for(properties.dtype, properties.dtype)
+        ledger.add_undo("O1 policy", lambda: setattr(amp_state, "default_policy", None))
 
 
 def deinitialize():

@@ -6,7 +6,7 @@ import torch
 import amp
 from amp import lists
 from amp.casting import torch_autocast
-from amp._state import INHERIT, ThreadState, amp_state
+from amp._state import INHERIT, amp_state
 
 HAS_CUDA = torch.cuda.is_available()
 REQUIRE_CUDA = os.environ.get("AMP_REQUIRE_CUDA", "") not in ("", "0")
@@ -70,7 +70,7 @@ def no_amp_leak():
         problems.append(f"test leaked amp patches: {', '.join(leaked[:10])}")
     if amp_state.initialized:
         problems.append("amp is still initialized")
-    if ThreadState.default_policy is not None or amp_state.thread.policy is not INHERIT:
+    if amp_state.default_policy is not None or amp_state.thread.policy is not INHERIT:
         problems.append("a casting policy is still in force")
     if amp_state.torch_patches.installed:
         problems.append("torch patches are still installed")

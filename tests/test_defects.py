@@ -267,7 +267,7 @@ def test_item03_initialize_failing_late_puts_everything_back_exactly(opt_level, 
     """A failure after the models were cast (here: the last step of initialize raises) leaves
     weights, gradients, optimizer state and groups, and torch exactly as they were: O3 keeps no
     FP32 copy, so an undo alone would give the weights back rounded to FP16."""
-    from amp.compat import distributed
+    from amp.weights import engines
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -279,7 +279,7 @@ def test_item03_initialize_failing_late_puts_everything_back_exactly(opt_level, 
     def fail(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(distributed, "watch_parameters", fail)
+    monkeypatch.setattr(engines, "watch_parameters", fail)
     with pytest.raises(RuntimeError, match="injected failure"):
         amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
     monkeypatch.undo()

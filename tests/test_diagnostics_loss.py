@@ -8,7 +8,7 @@ import torch
 
 import amp
 from amp._state import amp_state
-from amp.compat import distributed
+from amp import distributed
 
 
 @pytest.fixture(autouse=True)

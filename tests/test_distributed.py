@@ -20,7 +20,7 @@ import distributed_helper as helper  # noqa: E402
 
 import amp  # noqa: E402
 from ranks import run_two_ranks  # noqa: E402
-from amp.compat import distributed  # noqa: E402
+from amp import distributed  # noqa: E402
 
 # Two ranks vs one process: the same arithmetic but for the order of the gradient sums (per-rank
 # backward passes averaged by the engine, in FP16 under DDP at O2, vs one backward over the global

@@ -265,7 +265,7 @@ def test_unscaling_tensors_on_one_device_is_one_backend_call():
 
 def test_is_distributed_reads_the_default_group_now(monkeypatch):
     """Cheap (one Python call past itself) and never cached: a process group made later counts."""
-    from amp.compat import distributed
+    from amp import distributed
 
     _, total, _ = _profile_calls(distributed.is_distributed)
     assert total == 1, total  # is_distributed alone: the default group read as an attribute
@@ -284,7 +284,7 @@ def test_is_distributed_follows_a_world_put_in_place_later(monkeypatch):
     False under it (ranks deciding skips alone), or an AttributeError at every scale_loss."""
     from torch.testing._internal.distributed import multi_threaded_pg
 
-    from amp.compat import distributed
+    from amp import distributed
 
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     world = multi_threaded_pg._install_threaded_pg()

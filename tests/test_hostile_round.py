@@ -81,7 +81,7 @@ def test_evaluation_after_a_skipped_last_step_holds_a_bounded_number_of_checks()
 
 
 def test_checks_read_without_a_step_keep_the_first_bad_one_and_stop_watching(monkeypatch):
-    from amp.scaling import origin
+    from amp.diagnostics import origin
     from torch.nn.modules import module as nn_module
 
     monkeypatch.setattr(origin, "_HELD", 8)

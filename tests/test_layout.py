@@ -1,8 +1,10 @@
-"""The package's layout: the folders are its layers, and imports only run down them.
+"""The package's layout: the layers, and imports that only run down them.
 
 Every `from amp...` import in amp/, at module level or inside a function, is read from the
 source. The graph of modules has no cycle, and a module imports only from its own layer or a
-lower one, so each folder can be read without the ones above it.
+lower one, so each layer can be read without the ones above it. A folder is one concern and
+mostly one layer; diagnostics/ spans two: the recorders every layer reports into sit low, the
+audit that runs the others' machinery sits at the top.
 """
 
 import ast
@@ -12,14 +14,26 @@ import amp
 
 ROOT = pathlib.Path(amp.__file__).parent
 
-# Lowest first. A module belongs to the first entry naming it or a package above it.
+# Lowest first. A module belongs to the layer of the most specific entry naming it or a package
+# above it.
 LAYERS = (
-    ("amp._state", "amp.properties", "amp.hardware", "amp.lists", "amp.kernels"),  # foundations
-    ("amp.compat",),  # what others made: apex's state object, optimizer wrappers, torch.distributed
+    # foundations: the state, the opt levels, the hardware, the patch ledger, the rank agreement,
+    # the op tables and the kernels
+    (
+        "amp._state",
+        "amp.properties",
+        "amp.hardware",
+        "amp.patching",
+        "amp.distributed",
+        "amp.lists",
+        "amp.kernels",
+    ),
+    ("amp.apex_interop",),  # apex's state object, optimizer wrappers, which apex is importable
+    ("amp.diagnostics",),  # what amp says: trace, overflow report, origin watch, warnings
     ("amp.casting",),  # O1 and regions
     ("amp.scaling",),  # loss scaling
-    ("amp.weights",),  # O2/O3 weights and the optimizer that steps them
-    ("amp.diagnostics",),  # the precision audit, which runs the others' machinery
+    ("amp.weights",),  # O2/O3 weights, the optimizer that steps them, the engines
+    ("amp.diagnostics.audit", "amp.diagnostics.report"),  # the audit runs the others' machinery
     ("amp.frontend", "amp.__main__", "amp"),  # the front door
 )
 
@@ -32,11 +46,16 @@ def _module_name(path):
 
 
 def _layer(module):
-    for index, layer in enumerate(LAYERS):
-        if any(module == name or module.startswith(name + ".") for name in layer if name != "amp"):
-            return index
-    assert module == "amp", module
-    return len(LAYERS) - 1
+    matches = [
+        (len(name), index)
+        for index, layer in enumerate(LAYERS)
+        for name in layer
+        if name != "amp" and (module == name or module.startswith(name + "."))
+    ]
+    if not matches:
+        assert module == "amp", module
+        return len(LAYERS) - 1
+    return max(matches)[1]
 
 
 def _imports(path):
@@ -71,7 +90,8 @@ def test_the_top_level_is_the_front_door_and_the_fixed_folders_stay():
     assert (ROOT / "lists" / "torch_overrides.py").is_file()
     assert (ROOT / "kernels" / "multi_tensor.cu").is_file()
     packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
-    assert {"casting", "scaling", "weights", "compat", "lists", "kernels"} <= packages
+    assert {"casting", "scaling", "weights", "diagnostics", "lists", "kernels"} <= packages
+    assert "compat" not in packages  # the top-level compat/apex package owns that name
 
 
 def test_every_subpackage_says_what_lives_there():

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from amp.casting.patching import ORIGINAL_ATTRIBUTE, PatchLedger, is_amp_replacement
+from amp.patching import ORIGINAL_ATTRIBUTE, PatchLedger, is_amp_replacement
 
 
 def module_function(x):

@@ -1,2 +1,3 @@
-"""O1 and regions: the patch ledger, the wrappers and casts that run each op in its table's dtype,
-torch's autocast surface answered from amp's state, autocast regions, registration and trace."""
+"""O1 and regions: the wrappers and casts that run each op in its table's dtype, the weight-cast
+cache, the patch set and torch's autocast surface answered from amp's state, autocast regions,
+fp32_modules, and registration."""

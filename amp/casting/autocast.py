@@ -48,7 +48,7 @@ def enter_region(device_type, dtype, cache_enabled):
     patches = amp_state.torch_patches
     patches.acquire()  # installs the patches on first use; they stay until amp.deinitialize()
     saved = thread.policy
-    thread.policy = with_device(thread.current_policy(), device_type, dtype, cache_enabled)
+    thread.policy = with_device(amp_state.current_policy(), device_type, dtype, cache_enabled)
     thread.autocast_depth += 1
     # A torch.autocast region opened before amp's patches were installed set torch's own state;
     # amp's region turns it off for its devices so that torch's dispatcher does not cast too.
@@ -212,7 +212,7 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
 
     @functools.wraps(fwd)
     def decorate_fwd(ctx, *args, **kwargs):
-        policy = amp_state.thread.current_policy()
+        policy = amp_state.current_policy()
         # Asked through torch's readers: a torch.autocast region opened before amp was first
         # used casts too, and its body must run with casting off as well.
         devices = DEVICE_TYPES if device_type is None else (device_type,)

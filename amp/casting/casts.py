@@ -272,8 +272,6 @@ class WeightCastCache:
         self.filled = False
 
 
-amp_state.cast_cache = WeightCastCache()
-
 
 def cast_tree(value, dtype, device_filter=None):
     """`value` with every eligible tensor inside it cast to `dtype`: floating, not float64 (the

@@ -15,11 +15,11 @@ import sys
 
 import torch
 
-from .._state import INHERIT, ThreadState, amp_state
+from .._state import INHERIT, amp_state
 from . import native_autocast as native_state
 from .autocast import enter_region, exit_region
 from .casts import DEVICE_TYPES
-from .patching import ORIGINAL_ATTRIBUTE
+from ..patching import ORIGINAL_ATTRIBUTE
 
 _thread = amp_state.thread
 _is_compiling = torch.compiler.is_compiling
@@ -44,7 +44,7 @@ class _TorchRegion:
             return None
         if _thread.policy is self:
             _thread.policy = INHERIT
-        return ThreadState.default_policy
+        return amp_state.default_policy
 
     def _ask(self, name, default, *args):
         policy = self.current()
@@ -80,12 +80,9 @@ def _nothing(tensor):
 _TORCH_REGION = _TorchRegion()
 
 
-def _first_policy():
-    """A thread's policy when amp first sees it (_state.ThreadState)."""
+def first_policy():
+    """A thread's policy when amp first sees it (AmpState.first_policy)."""
     return _TORCH_REGION if native_state.any_enabled() else INHERIT
-
-
-ThreadState.first_policy = staticmethod(_first_policy)
 
 
 def _amp_policy():
@@ -96,7 +93,7 @@ def _amp_policy():
         return False, None
     policy = _thread.policy
     if policy is INHERIT:
-        policy = ThreadState.default_policy
+        policy = amp_state.default_policy
         return policy is not None, policy
     if policy is _TORCH_REGION:
         policy = policy.current()

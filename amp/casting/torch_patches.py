@@ -14,7 +14,7 @@ import logging
 from .. import lists
 from .._state import amp_state
 from . import torch_autocast
-from .patching import PatchLedger
+from ..patching import PatchLedger
 from .wrappers import make_wrapper
 
 logger = logging.getLogger("amp")
@@ -22,7 +22,6 @@ logger = logging.getLogger("amp")
 
 class TorchPatches:
     def __init__(self):
-        self._users = 0  # open regions and O1 initializations holding the patches now
         self._kept = False  # installed by an earlier user: stays until drop()
         self._ledger = None
         self._built = {}  # (namespace object id, name) -> AttributePatch, reused across installs
@@ -34,30 +33,31 @@ class TorchPatches:
 
     @property
     def users(self):
-        return self._users
+        """Open regions and O1 initializations holding the patches now."""
+        return amp_state.patch_users
 
     def acquire(self):
         with amp_state.lock:
             if self._ledger is None:
                 self._install()
-            self._users += 1
+            amp_state.patch_users += 1
             self._kept = True
             amp_state.active = True
 
     def release(self):
         with amp_state.lock:
-            if self._users <= 0:
+            if amp_state.patch_users <= 0:
                 raise RuntimeError("amp's torch patches were released more often than acquired")
-            self._users -= 1
+            amp_state.patch_users -= 1
             amp_state.refresh_active()
-            if self._users == 0 and not self._kept:
+            if amp_state.patch_users == 0 and not self._kept:
                 self._uninstall()
 
     def drop(self):
         """Remove the patches now, or when the last user releases them."""
         with amp_state.lock:
             self._kept = False
-            if self._users == 0 and self._ledger is not None:
+            if amp_state.patch_users == 0 and self._ledger is not None:
                 self._uninstall()
 
     def _uninstall(self):
@@ -162,5 +162,3 @@ class TorchPatches:
             raise
         self._ledger = ledger
 
-
-amp_state.torch_patches = TorchPatches()

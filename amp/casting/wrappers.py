@@ -10,11 +10,11 @@ import functools
 
 import torch
 
-from .._state import INHERIT, ThreadState, amp_state
+from .._state import INHERIT, amp_state
+from ..diagnostics.trace import traced_call
 from ..lists import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
+from ..patching import ORIGINAL_ATTRIBUTE
 from .casts import CASTABLE, LOW_PRECISION, PLAIN_ARGUMENTS, SEQUENCES, ExplicitDtype
-from .patching import ORIGINAL_ATTRIBUTE
-from .trace import traced_call
 
 
 _Tensor = torch.Tensor
@@ -183,7 +183,7 @@ def make_wrapper(original, kind, name, message=None):
             return original(*args, **kwargs)
         policy = thread.policy
         if policy is INHERIT:
-            policy = ThreadState.default_policy
+            policy = state.default_policy
         if policy is None:
             if thread.trace is None:
                 return original(*args, **kwargs)

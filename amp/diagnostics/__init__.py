@@ -1,2 +1,3 @@
-"""Diagnostics that run a user's forward through amp: the precision audit (`amp.audit`), which
-measures each module in FP32 and in low precision and says what to keep in FP32."""
+"""What amp says: the trace of patched calls, the overflow report and the origin watch of a skipped
+step, the non-finite-loss warning (every layer reports into these, so they sit just above the
+foundations), and the precision audit (`amp.audit`), which runs the others' machinery."""

@@ -16,10 +16,9 @@ from collections import abc, defaultdict
 
 import torch
 
-from .. import kernels
+from .. import distributed, kernels
 from .._state import amp_state
-from ..compat import distributed
-from . import skip
+from ..diagnostics import overflow
 
 
 class ScalerValueError(ValueError, AssertionError):
@@ -264,7 +263,7 @@ class GradScaler:
         if not sum(flag.item() for flag in state["found_inf_per_device"].values()):
             result = optimizer.step(*args, **kwargs)
         else:
-            state["skipped"] = skip.nonfinite_names(optimizer)  # for amp.last_overflow()
+            state["skipped"] = overflow.grad_scaler_nonfinite_names(optimizer)  # for amp.last_overflow()
         state["stage"] = OptState.STEPPED
         return result
 
@@ -344,7 +343,7 @@ class GradScaler:
                 self._growth_interval,
             )
             skipped = [state.get("skipped") for state in self._per_optimizer_states.values()]
-            skip.grad_scaler_update(self, [names for names in skipped if names is not None])
+            overflow.grad_scaler_update(self, [names for names in skipped if names is not None])
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # -- getters, setters, state -----------------------------------------------------------------

@@ -28,8 +28,7 @@ import operator
 
 import torch
 
-from .. import kernels
-from ..compat import distributed
+from .. import distributed, kernels
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")

@@ -1,9 +1,9 @@
 """scale_loss: scale a loss for backward, then unscale, check and (on overflow) skip."""
 
+from .. import distributed
 from .._state import amp_state
-from ..compat import distributed
-from ..compat.optimizer_wrappers import is_optimizer_like
-from . import nonfinite_loss
+from ..apex_interop.optimizer_wrappers import is_optimizer_like
+from . import finite_loss
 from .scaler import OverflowFlag
 
 
@@ -143,7 +143,7 @@ class _ScaleLoss:
         # only raise the peak memory (and slow the backward's allocations).
         if amp_state.cast_cache.filled:
             amp_state.cast_cache.clear()
-        self.loss_ok = nonfinite_loss.check(
+        self.loss_ok = finite_loss.check(
             self.loss,
             scaler.dynamic and not (delay_unscale or self.delay_overflow_check),
         )
@@ -184,11 +184,11 @@ class _ScaleLoss:
             # Every rank takes the same skip decision, even when only one saw the overflow.
             loss_ok = self.loss_ok
             if distributed.is_distributed():
-                loss_ok = nonfinite_loss.agree(flag, loss_ok)
+                loss_ok = finite_loss.agree(flag, loss_ok)
             for record in amp_state.optimizers:  # blocks still open keep the scale they used
                 if record.stash.frames:
                     record.stash.freeze_scale(scaler, flag.tensor.device)
-            nonfinite_loss.update(scaler, flag, loss_ok)
+            finite_loss.update(scaler, flag, loss_ok)
             for record in records:
                 record.skips.pending.append((self.loss_id, flag, loss_ok))
         finally:

@@ -66,7 +66,7 @@ class LossScaler:
         self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
         self._static_inv = {}  # device -> 1 / scale for static scalers
         # Backward passes a static scaler unscaled: what apex's `_unskipped` counted for it, kept
-        # only for amp._amp_state (amp.state_dict() reports 0, see compat/apex_state.py).
+        # only for amp._amp_state (amp.state_dict() reports 0, see apex_interop/apex_state.py).
         self.static_passes = 0
 
     @property

@@ -1,10 +1,10 @@
 """Skipped steps: an optimizer's pending overflow flags, and the report of a step they skip."""
 
+from .. import distributed
 from .._state import amp_state, logger
-from ..compat import distributed
-from ..compat.optimizer_wrappers import wrapped_optimizers
-from . import nonfinite_loss
-from .overflow import OverflowReport
+from ..apex_interop.optimizer_wrappers import wrapped_optimizers
+from ..diagnostics import nonfinite_loss
+from ..diagnostics.overflow import OverflowReport
 
 
 class SkipDecision:
@@ -92,33 +92,3 @@ class SkipDecision:
         if fresh and not bad_loss:
             nonfinite_loss.after_clean_step()
         watch.arm(record)
-
-
-def nonfinite_names(optimizer):
-    """GradScaler: the parameters of `optimizer` whose gradients are not finite, by position
-    ("param_groups[0]['params'][3]": GradScaler knows no names). Only on a skipped step."""
-    names, params = {}, []
-    for group_index, group in enumerate(optimizer.param_groups):
-        for param_index, param in enumerate(group["params"]):
-            names[id(param)] = f"param_groups[{group_index}]['params'][{param_index}]"
-            params.append(param)
-    return distributed.nonfinite_names(params, lambda param: names[id(param)])
-
-
-def grad_scaler_update(scaler, skipped):
-    """GradScaler.update(): end a watched iteration; after a skip (`skipped`: the names from
-    each optimizer that skipped; step() read the flags, so the host knows) report it and watch
-    the next iteration."""
-    watch = amp_state.origin_watch
-    origin = watch.settle(scaler) if watch.armed else None
-    if not skipped:
-        return
-    params = tuple(name for names in skipped for name in names)
-    report = OverflowReport(None, params, scaler.get_scale(), origin=origin)
-    amp_state.last_overflow = report
-    message = f"Gradient overflow.  Skipping step, GradScaler reducing scale to {report.loss_scale}"
-    if origin is not None:
-        message += f"; it started in {origin}"
-    if amp_state.verbosity >= 1:
-        logger.info(message)
-    watch.arm(scaler)

@@ -1,2 +1,3 @@
-"""O2/O3 weights: model casting with FP32 batch norm, FP32 master weights and shadows, and the
-optimizer instrumentation and optimizer state that carry the masters."""
+"""O2/O3 weights: model casting with FP32 batch norm, FP32 master weights and shadows, the
+optimizer instrumentation and optimizer state that carry the masters, and the distributed
+engines amp refuses or follows (weights/engines.py)."""

@@ -6,9 +6,8 @@ import operator
 
 import torch
 
-from .. import kernels
+from .. import distributed, kernels
 from .._state import amp_state
-from ..compat import distributed
 from ..scaling.grad_stash import add_to_master_grad, set_each
 from .shadows import ParamMarks, sync_params
 

@@ -13,11 +13,10 @@ import types
 import torch
 
 from .._state import amp_state
-from ..compat import distributed
-from ..compat.optimizer_wrappers import require_optimizer_like
+from ..apex_interop.optimizer_wrappers import require_optimizer_like
 from ..scaling.grad_stash import GradientStash, set_each
 from ..scaling.skip import SkipDecision
-from . import optimizer_state
+from . import engines, optimizer_state
 from .masters import MasterWeights, match_state_to_params, new_master
 
 MASTER_PARAMS_KEY = optimizer_state.MASTER_PARAMS_KEY
@@ -209,10 +208,10 @@ def instrument(optimizer, params_with_masters, names, ledger):
                     if param in optimizer.state:
                         optimizer.state[master] = optimizer.state.pop(param)
                     record.add_master(param, master)
-        distributed.follow_masters(optimizer, record.master_pairs, ledger)
+        engines.follow_masters(optimizer, record.master_pairs, ledger)
     for name in _PATCHED_METHODS:
         if name == "add_param_group" and not hasattr(optimizer, name):
-            continue  # an optimizer wrapper without it (optional, see compat/optimizer_wrappers.py)
+            continue  # an optimizer wrapper without it (optional, see apex_interop/optimizer_wrappers.py)
         record.originals[name] = getattr(optimizer, name)
         ledger.patch(
             optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)

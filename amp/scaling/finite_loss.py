@@ -5,21 +5,16 @@ inf or NaN no scale can help, and halving it step after step only ruins the scal
 loss is finite again (the "scale spiral": 65536 down to 6e-05 in 30 steps). So scale_loss also
 keeps a device flag "the loss was finite", and the scale update ignores the overflow of a step
 whose loss was not: the scale and the count of clean steps stay as they were. The flag is read
-only on a step that is skipped anyway (its host sync is already paid).
+only on a step that is skipped anyway (its host sync is already paid); the warning is
+diagnostics/nonfinite_loss.py's.
 """
 
 import types
-import warnings
 
 import torch
 
+from .. import distributed
 from .._state import amp_state
-from . import origin as _origin  # noqa: F401  (sets amp_state.origin_watch)
-from ..compat import distributed
-
-
-class NonFiniteLossWarning(UserWarning):
-    """The loss was inf or NaN: amp skipped the step and kept the loss scale (once per run)."""
 
 
 def check(loss, needed):
@@ -61,47 +56,3 @@ def update(scaler, flag, loss_ok):
     # first (-1), so its count comes out unchanged and cannot reach a growth.
     count.add_(loss_ok if loss_ok.device == count.device else loss_ok.to(count.device)).sub_(1)
     scaler.update(types.SimpleNamespace(tensor=flag.tensor * loss_ok))
-
-
-def after_clean_step():
-    """A step with overflow checks and no skip for a bad loss: a run of bad losses ends."""
-    if amp_state.nonfinite_loss_run == "pending":
-        _warn(None, None, watched_clean=True)
-    amp_state.nonfinite_loss_run = None
-
-
-def after_bad_loss(loss_id, origin, watched):
-    """A step skipped because loss `loss_id` was not finite; warn once per run of them.
-
-    The warning waits for the step after the first one, which amp watches, so it can say where
-    the inf/NaN started; `watched` tells whether this step was that watched one.
-    """
-    run = amp_state.nonfinite_loss_run
-    if run == "warned":
-        return
-    if origin is None and not watched and run is None:
-        amp_state.nonfinite_loss_run = "pending"
-        return
-    _warn(loss_id, origin, watched_clean=False)
-    amp_state.nonfinite_loss_run = "warned"
-
-
-def _warn(loss_id, origin, watched_clean):
-    if watched_clean:
-        where = (
-            "The step after it had a finite loss, so amp could not watch where it started; if it "
-            "comes back, amp names the place"
-        )
-        subject = "A loss was inf or NaN at one step"
-    else:
-        where = f"It started in {origin}" if origin else "amp did not find where it started"
-        subject = f"The loss (loss_id={loss_id}) is inf or NaN"
-    warnings.warn(
-        f"{subject}: amp skipped the step and kept the loss scale (no scale makes a non-finite "
-        f"loss finite). {where}. Keep the module that overflows in FP32 "
-        "(amp.initialize(..., fp32_modules=[...])), or find it with amp.audit(...); "
-        "amp.last_overflow().origin has the details. This warning comes once per run of such "
-        "steps.",
-        NonFiniteLossWarning,
-        stacklevel=6,
-    )

@@ -30,7 +30,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from .._state import amp_state
-from ..casting.patching import ORIGINAL_ATTRIBUTE
+from ..patching import ORIGINAL_ATTRIBUTE
 
 _KEEP = 64  # (flag, origin) pairs kept for the skip reports that read them
 _HELD = 4096  # checks held before they are read without a step (a watch no step ends)
@@ -342,5 +342,3 @@ def _first_nonfinite(events):
         op = "loss"
     return Origin(module, phase, op, dtype, bad[first])
 
-
-amp_state.origin_watch = OriginWatch()

@@ -1,0 +1,158 @@
+"""The rank agreement: every rank takes the same skip decision, on sharded gradients too.
+
+- The overflow flag is reduced (MAX) over the default process group, one small collective per
+  check, none when not distributed.
+- Sharded gradients (FSDP2's DTensors, FSDP1's flat parameters) are unscaled and checked through
+  their local shards, and overflow reports name the original parameters across all shards.
+
+What amp refuses or follows of the engines themselves lives in weights/engines.py.
+"""
+
+import sys
+
+import torch
+
+
+def dtensor_class():
+    """torch's DTensor class, or None while torch.distributed.tensor is not imported."""
+    # No DTensor exists before torch.distributed.tensor is imported: look, never import.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+_AVAILABLE = torch.distributed.is_available()  # fixed when torch was built
+_C10D = torch.distributed.distributed_c10d if _AVAILABLE else None
+
+
+def is_distributed():
+    """True when a default process group of more than one rank is initialized.
+
+    It runs every step: torch.distributed.is_initialized() read directly (the default group, read
+    now: one can be made or destroyed at any time), without its four Python calls (the
+    `default_pg` property included). The world is read now too: torch's threaded process groups
+    (its multi-threaded tests) put a thread-local world in its place."""
+    if not _AVAILABLE:
+        return False
+    world = _C10D._world
+    try:
+        default_pg = world._default_pg
+    except AttributeError:  # torch's ThreadLocalWorld: the default group is a property only
+        default_pg = world.default_pg
+    return default_pg is not None and torch.distributed.get_world_size() > 1
+
+
+def reduce_flag(flag):
+    """Make a float32 overflow flag the MAX over all ranks, in place (a no-op in one process)."""
+    if is_distributed():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+
+
+def agree_on_flags(found_per_device, found_inf):
+    """Make GradScaler's found-inf flags ({device: flag}) the MAX over all ranks, in one
+    collective; a no-op in one process.
+
+    A rank holding no gradient (an empty shard) still takes part, so no rank waits forever.
+    """
+    if not is_distributed():
+        return
+    if not found_per_device:
+        found_per_device[found_inf.device] = found_inf
+    combined = torch.stack([flag.to(found_inf.device) for flag in found_per_device.values()]).amax()
+    reduce_flag(combined)
+    for flag in found_per_device.values():
+        flag.copy_(combined)
+
+
+def local(tensor):
+    """A DTensor's local shard (sharing its storage); any other tensor as it is."""
+    dtensor = dtensor_class()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
+def local_tensors(tensors):
+    """The tensors with every DTensor replaced by its local shard (which shares its storage)."""
+    dtensor = dtensor_class()
+    if dtensor is None:
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+
+
+def has_dtensors(tensors):
+    dtensor = dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+# -- overflow reports across shards --------------------------------------------------------------
+
+
+def clean_name(name):
+    """A parameter's name without the wrappers' path segments (FSDP1's)."""
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _entries(param):
+    """[(param, original parameter's name or None, local tensor to check or None)]: a flat
+    parameter (FSDP1, use_orig_params=False) has one entry per original parameter."""
+    grad = param.grad
+    infos = getattr(param, "_shard_param_infos", None)
+    fqns = getattr(param, "_fqns", None)
+    if infos is None or fqns is None:
+        if grad is not None:
+            grad = local(grad)
+            grad = grad._values() if grad.is_sparse else grad
+        return [(param, None, grad)]
+    found = []
+    for fqn, info in zip(fqns, infos):
+        piece = None
+        if grad is not None and info.in_shard:
+            start = info.offset_in_shard
+            piece = grad.reshape(-1)[start : start + info.numel_in_shard]
+        found.append((param, fqn, piece))
+    return found
+
+
+def _name(param, fqn, name_of):
+    name = name_of(param)
+    if fqn is not None:  # the flat parameter's module path, then the original's own path
+        prefix = name.rpartition(".")[0]
+        name = f"{prefix}.{fqn}" if prefix else fqn
+    return clean_name(name)
+
+
+def nonfinite_names(params, name_of):
+    """The names of `params` whose gradients hold inf or NaN, on any rank.
+
+    Only on a skipped step, which every rank takes together: one reduction per gradient, one
+    host sync, and one small collective (MAX over a flag per entry) when distributed. Every
+    rank lists the same entries in the same order, shards without gradients included.
+    """
+    entries = [entry for param in params for entry in _entries(param)]
+    if not entries:
+        return ()
+    checked = [t for _, _, t in entries if t is not None]
+    distributed = is_distributed()
+    if distributed:
+        device = _collective_device()
+    else:
+        device = checked[0].device if checked else torch.device("cpu")
+    no = torch.zeros((), dtype=torch.bool, device=device)
+    flags = [
+        no if t is None or t.numel() == 0 else (~torch.isfinite(t)).any().to(device)
+        for _, _, t in entries
+    ]
+    bad = torch.stack(flags).float()
+    if distributed:
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    names = []
+    for (param, fqn, _), is_bad in zip(entries, bad.tolist()):
+        if is_bad:
+            name = _name(param, fqn, name_of)
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _collective_device():
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
