@@ -3,7 +3,7 @@ side.
 
     python benchmarks/step_costs.py [--dtype bfloat16|float16] [--device cpu|cuda] [--quick]
                                     [--tiny] [--optimizer default|foreach|fused]
-                                    [--time ROUNDS] [--steps N]
+                                    [--time ROUNDS] [--steps N] [--no-device-work]
 
 Variants (variants.py): fp32, torch.autocast + torch.amp.GradScaler (the reference), amp O1,
 amp.autocast + amp.GradScaler, amp O2, amp O3, and a model in `dtype` stepped by torch's fused /
@@ -21,6 +21,12 @@ on the same data with AdamW. Workloads (workloads.py):
   scaling  the Python calls loss scaling adds to a plain step at 10 parameter tensors: amp's
            zero_grad + scale_loss + step at O0-O3, torch.amp.GradScaler's scale / unscale_ /
            step / update (measure.scaling_calls)
+  device   the GPU proxies (device_work.py): kernel launches, bytes read and written and bytes
+  work     saved for backward per step, host reads per step, and launches and bytes per parameter
+           after backward, counted below autograd on FakeTensors at the end-to-end benchmark's
+           real sizes (GPT-2 small, batch 8 x 1024; ResNet-50, batch 64 x 224^2; --tiny: their CI
+           sizes), with AdamW as torch defaults to on CUDA (foreach), and amp O2 with a fused
+           AdamW as one more row
   --time   the calls workloads' step time, ROUNDS rounds of --steps steps whose variant order
            rotates (harness.interleaved_rounds), each on a fresh trainer warmed up and settled
            untimed: CPU time of this thread with torch on one thread on the CPU (the host's work,
@@ -39,6 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import device_work  # noqa: E402
 import variants  # noqa: E402
 import workloads  # noqa: E402
 from harness import interleaved_rounds, print_table  # noqa: E402
@@ -122,6 +129,52 @@ def scaling_rows():
     return table
 
 
+# (row name, variant, optimizer): every variant with AdamW as on CUDA (foreach), and amp O2 fused.
+DEVICE_WORK_ROWS = [(name, name, "foreach") for name in variants.VARIANTS] + [
+    ("amp O2 + fused AdamW", "amp O2", "fused")
+]
+DEVICE_WORK_COLUMNS = [
+    "variant",
+    "launches",
+    "launches / torch.autocast",
+    "GB",
+    "bytes / torch.autocast",
+    "saved MB",
+    "saved / torch.autocast",
+    "host reads",
+    "launches after backward",
+    "bytes / param after backward",
+]
+
+
+def device_work_rows(workload, dtype, names=None):
+    """One row per variant: the device work of one step (device_work.py), FakeTensors at the
+    workload's real size, with ratios to torch.autocast's."""
+    found = {}
+    for row_name, variant, optimizer in DEVICE_WORK_ROWS:
+        if names is None or variant in names:
+            found[row_name] = device_work.step_work(workload, variant, dtype, optimizer)
+    reference = found.get(variants.REFERENCE)
+    table = []
+    for row_name, work in found.items():
+        row = {
+            "workload": workload.name,
+            "variant": row_name,
+            "launches": work.launches,
+            "GB": work.bytes / 1e9,
+            "saved MB": work.saved / 1e6,
+            "host reads": work.host_reads,
+            "launches after backward": work.phases["after backward"].launches,
+            "bytes / param after backward": work.bytes_per_parameter_after_backward,
+        }
+        if reference is not None:
+            row["launches / torch.autocast"] = work.launches / reference.launches
+            row["bytes / torch.autocast"] = work.bytes / reference.bytes
+            row["saved / torch.autocast"] = work.saved / reference.saved
+        table.append(row)
+    return table
+
+
 def rows(workload, names, counted, measured, timed=None):
     """One row per variant: its calls, peak bytes and bytes at the step's start, and the ratios
     to torch.autocast's (when it ran)."""
@@ -174,6 +227,9 @@ def main(argv=None):
         "--time", type=int, default=0, metavar="ROUNDS", help="also time the calls workloads"
     )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round (--time)")
+    parser.add_argument(
+        "--no-device-work", action="store_true", help="leave out the GPU-proxy tables"
+    )
     args = parser.parse_args(argv)
     if args.time and args.device == "cpu":
         torch.set_num_threads(1)  # the work itself, not the waits of a shared machine
@@ -204,6 +260,18 @@ def main(argv=None):
             COLUMNS,
             time_columns=("time",),
         )
+    if not args.no_device_work:
+        sizes = ("gpt2-tiny", "resnet50-tiny") if args.tiny else ("gpt2", "resnet50")
+        for size in sizes:
+            workload = workloads.END_TO_END[size]
+            table = device_work_rows(workload, dtype, args.variants)
+            results[f"device work {size}"] = table
+            print_table(
+                f"device work of one step (counted below autograd, FakeTensors), {size}, "
+                f"{args.dtype}; ratios to torch.autocast + torch.amp.GradScaler",
+                table,
+                DEVICE_WORK_COLUMNS,
+            )
     table = scaling_rows()
     results["scaling"] = table
     print_table(

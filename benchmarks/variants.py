@@ -129,12 +129,18 @@ def _amp_level(opt_level):
 
 
 def _cast_but_batch_norm(model, dtype):
-    def cast(tensor):
-        return tensor.to(dtype) if tensor.dtype is torch.float32 else tensor
-
-    for module in model.modules():
-        if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-            module._apply(cast, recurse=False)
+    # Through `.data` and the buffer dict, as amp casts: FakeTensors (device_work.py) cannot be
+    # swapped the way Module._apply would.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.dtype is torch.float32:
+                    param.data = param.data.to(dtype)
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.dtype is torch.float32:
+                    module._buffers[name] = buffer.to(dtype)
 
 
 def _manual_o2(kind):
