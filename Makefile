@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo benchmark clean
+.PHONY: test test-all demo benchmark clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml compat/apex/setup.cfg
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
+# `test` leaves out the tests marked slow (the whole benchmark suite, compiled graphs, two-rank
+# jobs); `test-all` runs everything.
 test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 demo: $(VENV)/.installed

@@ -1,4 +1,5 @@
-import os
+"""Fixtures every test folder shares: the leak check, registrations, a one-rank process group,
+and models initialized for a test. Constants and model makers are in tests/helpers."""
 
 import pytest
 import torch
@@ -7,13 +8,8 @@ import amp
 from amp import lists
 from amp.casting import torch_autocast
 from amp._state import INHERIT, amp_state
-
-HAS_CUDA = torch.cuda.is_available()
-REQUIRE_CUDA = os.environ.get("AMP_REQUIRE_CUDA", "") not in ("", "0")
-
-OPT_LEVELS = ["O0", "O1", "O2", "O3"]
-DTYPES = [torch.float16, torch.bfloat16]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+from helpers import HAS_CUDA, REQUIRE_CUDA
+from helpers.models import make_model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -106,3 +102,34 @@ def one_rank_group(tmp_path_factory):
         yield
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def trained():
+    """trained(opt_level, momentum=0.9, **initialize_kwargs) -> (model, optimizer): the default
+    helpers.models.make_model() with SGD(lr=0.1), initialized; amp.deinitialize() afterwards."""
+
+    def make(opt_level, momentum=0.9, **kwargs):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        kwargs.setdefault("verbosity", 0)
+        return amp.initialize(model, optimizer, opt_level=opt_level, **kwargs)
+
+    yield make
+    amp.deinitialize()
+
+
+@pytest.fixture
+def forget_overflows():
+    """Ends an origin watch a test leaves armed (a GradScaler's outlives its loop) and forgets the
+    last overflow report."""
+    yield
+    amp_state.origin_watch.disarm()
+    amp_state.last_overflow = None
+
+
+@pytest.fixture
+def deinitialized():
+    """amp.deinitialize() after the test, for a test that ends with amp initialized."""
+    yield
+    amp.deinitialize()

@@ -1,33 +1,52 @@
-"""amp under torch.distributed with two real gloo processes: DDP (no_sync accumulation with
-delay_unscale), FSDP2, FSDP1 and ZeroRedundancyOptimizer, at O1, O2 (refused with FSDP), O3 (DDP
-and ZeRO) and with amp.GradScaler.
-
-One pair of processes runs every scenario (tests/distributed_helper.py); rank 1 alone injects an
-inf into its gradient (its own shard under FSDP) at one step. Both ranks must skip that step
-together, keep the same scale history, name the same parameter in amp.last_overflow(), and end
-with identical parameters and optimizer state, equal to training the same global batches in one
-process within TOLERANCE.
-"""
-
-import os
-import sys
+"""The rank agreement (amp/distributed.py): one collective per step carries the overflow flag,
+one more names the skipped step's parameters, none in one process; is_distributed reads the
+default group each time, cheaply. Two real processes: tests/weights/test_engines.py."""
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import distributed_helper as helper  # noqa: E402
+import amp
+from amp import distributed
+from helpers import distributed_scenarios as helper
+from helpers.profiling import profile_calls as _profile_calls
 
-import amp  # noqa: E402
-from ranks import run_two_ranks  # noqa: E402
-from amp import distributed  # noqa: E402
 
-# Two ranks vs one process: the same arithmetic but for the order of the gradient sums (per-rank
-# backward passes averaged by the engine, in FP16 under DDP at O2, vs one backward over the global
-# batch), so the FP16 gradients round differently: a few units of FP16's 2**-11 relative precision
-# on values below 0.5. The largest difference seen after five steps is 1.4e-4 (DDP and ZeRO at
-# O2), 6e-5 at O3, 1.5e-5 elsewhere. Between ranks everything is bit-identical.
-TOLERANCE = dict(rtol=1e-3, atol=5e-4)
+# Before any test that makes a process group: is_distributed is read with none in place.
+
+
+def test_is_distributed_reads_the_default_group_now(monkeypatch):
+    """Cheap (one Python call past itself) and never cached: a process group made later counts."""
+    from amp import distributed
+
+    _, total, _ = _profile_calls(distributed.is_distributed)
+    assert total == 1, total  # is_distributed alone: the default group read as an attribute
+    assert not distributed.is_distributed()
+    world = torch.distributed.distributed_c10d._world
+    monkeypatch.setattr(world, "_default_pg", object())
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert distributed.is_distributed()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    assert not distributed.is_distributed()
+
+
+def test_is_distributed_follows_a_world_put_in_place_later(monkeypatch):
+    """torch's threaded process groups (its multi-threaded tests) replace c10d's world object by
+    a thread-local one whose default group is a property only: read at import, the world gave
+    False under it (ranks deciding skips alone), or an AttributeError at every scale_loss."""
+    from torch.testing._internal.distributed import multi_threaded_pg
+
+    from amp import distributed
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    world = multi_threaded_pg._install_threaded_pg()
+    try:
+        assert not distributed.is_distributed()
+        world.default_pg = object()
+        assert distributed.is_distributed()
+        world.default_pg = None
+    finally:
+        multi_threaded_pg._uninstall_threaded_pg()
+    assert not distributed.is_distributed()
 
 
 @pytest.fixture
@@ -40,72 +59,14 @@ def count_collectives(monkeypatch):
     return calls
 
 
-def _model_and_optimizer():
-    model = helper.make_model()
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-
-def _step(model, optimizer, scaler=None):
-    inputs, targets = helper.batches(0)[0][0]
-    if scaler is not None:
-        with amp.autocast(dtype=torch.float16):
-            loss = helper.loss_of(model, inputs, targets, 1)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        with amp.scale_loss(helper.loss_of(model, inputs, targets, 1), optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-    optimizer.zero_grad()
-
-
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_a_parameter_replaced_after_initialize_raises_at_step_and_changes_nothing(opt_level):
-    model, optimizer = _model_and_optimizer()
-    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
-    try:
-        stepped = [p.detach().clone() for p in amp.master_params(optimizer)]
-        model[2].weight = torch.nn.Parameter(model[2].weight.detach().clone())  # as a wrapper would
-        with pytest.raises(
-            RuntimeError, match=r"optimizer.step\(\): the parameter '2.weight' that amp set up"
-        ):
-            _step(model, optimizer)
-        for before, after in zip(stepped, amp.master_params(optimizer)):
-            assert torch.equal(before, after)
-    finally:
-        amp.deinitialize()
-
-
-def test_a_parameter_that_only_moved_is_followed_and_trained():
-    """torch.nn.utils.parametrize keeps the parameter, under parametrizations.weight.original."""
-
-    class Double(torch.nn.Module):
-        def forward(self, weight):
-            return weight * 2
-
-    model, optimizer = _model_and_optimizer()
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
-    try:
-        weight = model[0].weight
-        before = weight.detach().clone()
-        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", Double())
-        assert model[0].parametrizations.weight.original is weight
-        for _ in range(2):
-            _step(model, optimizer)
-        assert not torch.equal(before, weight)
-    finally:
-        amp.deinitialize()
-
-
 def test_scale_loss_reduces_the_flag_once_per_step_and_names_once_per_skip(count_collectives):
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = helper.model_and_optimizer()
     model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
     try:
-        _step(model, optimizer)
+        helper.one_step(model, optimizer)
         assert len(count_collectives) == 1  # the overflow flag
         inputs, targets = helper.batches(0)[0][0]
-        with amp.scale_loss(helper.loss_of(model, inputs, targets, 1), optimizer) as scaled:
+        with amp.scale_loss(helper.cross_entropy_part(model, inputs, targets, 1), optimizer) as scaled:
             scaled.backward()
             helper.inject(model[0].weight.grad)
         optimizer.step()
@@ -116,9 +77,9 @@ def test_scale_loss_reduces_the_flag_once_per_step_and_names_once_per_skip(count
 
 
 def test_grad_scaler_reduces_once_per_step_even_without_gradients(count_collectives):
-    model, optimizer = _model_and_optimizer()
+    model, optimizer = helper.model_and_optimizer()
     scaler = amp.GradScaler()
-    _step(model, optimizer, scaler)
+    helper.one_step(model, optimizer, scaler)
     assert count_collectives == [torch.distributed.ReduceOp.MAX]
     # A rank whose shard got no gradient still takes part (and does not raise), so no rank hangs.
     scaler.scale(torch.ones((), requires_grad=True)).backward()
@@ -129,104 +90,10 @@ def test_grad_scaler_reduces_once_per_step_even_without_gradients(count_collecti
 
 def test_no_collective_in_one_process(one_rank_group, monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: pytest.fail())
-    model, optimizer = _model_and_optimizer()
-    _step(model, optimizer, amp.GradScaler())
+    model, optimizer = helper.model_and_optimizer()
+    helper.one_step(model, optimizer, amp.GradScaler())
     model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
     try:
-        _step(model, optimizer)
+        helper.one_step(model, optimizer)
     finally:
         amp.deinitialize()
-
-
-def test_zero_at_o2_steps_the_masters_and_deinitialize_gives_its_parameters_back(one_rank_group):
-    model = helper.make_model()
-    optimizer = helper.make_optimizer(model.parameters(), zero=True)
-    own = list(model.parameters())
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
-    try:
-        masters = list(amp.master_params(optimizer))
-        before = [m.detach().clone() for m in masters]
-        _step(model, optimizer)
-        assert all(not torch.equal(b, m) for b, m in zip(before, masters))
-        assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters))
-    finally:
-        amp.deinitialize()
-    own = list(map(id, own))
-    assert list(map(id, optimizer._all_params)) == own
-    local = optimizer.optim  # this rank's partition, ordered by size
-    assert sorted(id(p) for g in local.param_groups for p in g["params"]) == sorted(own)
-    assert sorted(map(id, local.state)) == sorted(own)
-    model[0].weight.grad = torch.ones_like(model[0].weight)
-    weight = model[0].weight.detach().clone()
-    optimizer.step()
-    assert not torch.equal(weight, model[0].weight)
-
-
-def test_zero_with_bucket_views_is_refused_at_o2(one_rank_group):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = helper.make_model()
-    optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), torch.optim.SGD, lr=0.1, parameters_as_bucket_view=True
-    )
-    with pytest.raises(RuntimeError, match="parameters_as_bucket_view=True"):
-        amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
-    assert all(p.dtype is torch.float32 for p in model.parameters())
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """Both ranks' results of every scenario, from one 2-process gloo job."""
-    out = tmp_path_factory.mktemp("distributed")
-    run_two_ranks(os.path.join(os.path.dirname(__file__), "distributed_helper.py"), out)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
-
-
-def _results(ranks, key):
-    found = [rank[key] for rank in ranks]
-    for result in found:
-        assert "crash" not in result, result["crash"]
-    return found
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("engine, mode", helper.SCENARIOS)
-def test_ranks_agree_and_match_one_process(ranks, engine, mode):
-    rank0, rank1 = _results(ranks, (engine, mode))
-    expected = helper.reference(engine, mode)
-    # The overflow seen by rank 1 only is skipped by both: the scale halves at that step.
-    scales = expected["scales"]
-    assert scales[helper.OVERFLOW_STEP] == scales[helper.OVERFLOW_STEP - 1] / 2
-    assert rank0["scales"] == rank1["scales"] == scales
-    if mode != "scaler":
-        overflows = [None] * helper.STEPS
-        overflows[helper.OVERFLOW_STEP] = ("0.weight",)  # named on both ranks, from any shard
-        assert rank0["overflows"] == rank1["overflows"] == overflows
-    assert sorted(rank0["params"]) == sorted(rank1["params"]) == sorted(expected["params"])
-    for name, value in rank0["params"].items():
-        assert value.dtype is torch.float32, name
-        assert torch.equal(value, rank1["params"][name]), name
-        torch.testing.assert_close(value, expected["params"][name], **TOLERANCE, msg=name)
-    # ZeRO: each rank holds its partition's state; together they hold all of it, once.
-    momentum = {**rank0["momentum"], **rank1["momentum"]}
-    assert sorted(momentum) == sorted(expected["momentum"])
-    if engine == "zero":
-        assert not set(rank0["momentum"]) & set(rank1["momentum"])
-    for name in set(rank0["momentum"]) & set(rank1["momentum"]):
-        assert torch.equal(rank0["momentum"][name], rank1["momentum"][name]), name
-    for name, value in momentum.items():
-        torch.testing.assert_close(value, expected["momentum"][name], **TOLERANCE, msg=name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("engine, mode, order", helper.REFUSED)
-def test_o2_o3_with_fsdp_are_refused_and_change_nothing(ranks, engine, mode, order):
-    for result in _results(ranks, (engine, mode, order)):
-        message = result["error"]
-        assert message is not None, "trained without an error"
-        assert "MixedPrecision" in message and "O1" in message and "amp.GradScaler" in message
-        if order == "after":
-            assert message.startswith("amp.initialize: models[0] is sharded by")
-        else:
-            assert message.startswith("optimizer.step(): the parameter '0.weight' that amp set up")
-        assert result["compared"] and result["unchanged"]

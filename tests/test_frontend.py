@@ -1,3 +1,7 @@
+"""The front door (amp/frontend.py): amp.initialize's return shapes and refusals (nothing
+changed when it raises or fails halfway), amp.deinitialize, amp.state_dict / load_state_dict,
+amp.master_params and the progress messages."""
+
 import copy
 import io
 import logging
@@ -8,18 +12,17 @@ import torch
 
 import amp
 from amp._state import amp_state
-from conftest import OPT_LEVELS
+from helpers import OPT_LEVELS
+from helpers.models import make_model
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
-    )
+def bn_model(seed=0):
+    """make_model with batch norm and three outputs."""
+    return make_model(seed, batch_norm=True, outputs=3)
 
 
 def make_pair(seed=0, lr=0.1):
-    model = make_model(seed)
+    model = bn_model(seed)
     return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
@@ -60,7 +63,7 @@ def test_single_model_single_optimizer():
 
 
 def test_single_model_no_optimizer():
-    model = make_model()
+    model = bn_model()
     assert amp.initialize(model, verbosity=0) is model
     amp.deinitialize()
 
@@ -74,7 +77,7 @@ def test_list_of_models_list_of_optimizers():
 
 
 def test_single_model_list_of_optimizers():
-    model = make_model()
+    model = bn_model()
     o0 = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
     o1 = torch.optim.SGD(list(model.parameters())[2:], lr=0.1)
     result_model, result_optimizers = amp.initialize(model, [o0, o1], verbosity=0)
@@ -83,7 +86,7 @@ def test_single_model_list_of_optimizers():
 
 
 def test_list_of_models_single_optimizer():
-    m0, m1 = make_model(0), make_model(1)
+    m0, m1 = bn_model(0), bn_model(1)
     optimizer = torch.optim.SGD(list(m0.parameters()) + list(m1.parameters()), lr=0.1)
     models, result_optimizer = amp.initialize([m0, m1], optimizer, verbosity=0)
     assert models == [m0, m1] and result_optimizer is optimizer
@@ -177,7 +180,7 @@ def test_wrong_types_are_refused():
 
 
 def test_parameter_in_two_optimizers_is_refused():
-    model = make_model()
+    model = bn_model()
     o0 = torch.optim.SGD(model.parameters(), lr=0.1)
     o1 = torch.optim.SGD(list(model.parameters())[:1], lr=0.1)
     with pytest.raises(ValueError, match="a parameter appears in two optimizers"):
@@ -289,8 +292,37 @@ def test_o2_deinitialize_restores_fp32_weights_from_masters():
 
 
 def test_deinitialize_without_initialize_is_a_no_op():
+    """Nothing to undo: amp's state, torch's attributes, a model and its optimizer stay exactly
+    as they were, and amp.initialize works afterwards."""
+    model, optimizer = make_pair()
+    before = snapshot(model, optimizer)
+    torch_attributes = {name: getattr(torch, name) for name in dir(torch)}
+    tensor_attributes = dict(vars(torch.Tensor))
+    functional_attributes = dict(vars(torch.nn.functional))
     amp.deinitialize()
     amp.deinitialize()
+    assert all(getattr(torch, name) is value for name, value in torch_attributes.items())
+    assert vars(torch.Tensor).keys() == tensor_attributes.keys()
+    assert all(vars(torch.Tensor)[name] is value for name, value in tensor_attributes.items())
+    assert vars(torch.nn.functional).keys() == functional_attributes.keys()
+    assert all(
+        vars(torch.nn.functional)[name] is value for name, value in functional_attributes.items()
+    )
+    assert_unchanged(model, optimizer, before)
+    assert type(optimizer).step is optimizer.step.__func__ and "_amp_record" not in vars(optimizer)
+    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.masters == {}
+    assert amp._amp_state.loss_scalers == () and amp._amp_state.opt_properties.enabled is False
+    with pytest.raises(RuntimeError, match="amp.initialize"):
+        amp.state_dict()
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        assert model[0].weight.dtype is torch.float16
+        with amp.scale_loss(model(torch.randn(8, 4)).float().square().mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
+    finally:
+        amp.deinitialize()
 
 
 def test_deepcopy_and_pickle_of_initialized_objects():
@@ -429,3 +461,99 @@ def test_progress_messages_go_through_logging_and_verbosity_zero_silences():
     )
     assert f"{'master_weights':22} : True" in text
     assert _captured(0) == ""
+
+
+# -- a failed initialize changes nothing ---------------------------------------------------------
+
+
+def _trained_adam(model):
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    return optimizer
+
+
+def _everything(models, optimizer):
+    """What a failed initialize must leave as it was: objects by identity, values bit for bit."""
+    params = [p for model in models for p in model.parameters()]
+    return {
+        "params": [(p, p.dtype, p.data_ptr(), p.detach().clone(), p.grad) for p in params],
+        "grads": [None if p.grad is None else p.grad.clone() for p in params],
+        "attributes": dict(vars(optimizer)),
+        "groups": [(group, dict(group), list(group["params"])) for group in optimizer.param_groups],
+        "state": [
+            (key, value, {k: (v, v.clone()) for k, v in value.items()})
+            for key, value in optimizer.state.items()
+        ],
+        "torch": (
+            torch.mm, torch.nn.functional.linear, torch._C._nn.linear, torch.is_autocast_enabled
+        ),
+    }
+
+
+def _assert_unchanged(before, after):
+    for (p, dtype, ptr, value, grad), (q, dtype2, ptr2, value2, grad2) in zip(
+        before["params"], after["params"]
+    ):
+        assert p is q and dtype2 is dtype is torch.float32 and ptr2 == ptr
+        assert torch.equal(value2, value) and grad2 is grad
+    for a, b in zip(before["grads"], after["grads"]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert after["attributes"].keys() == before["attributes"].keys()
+    assert all(after["attributes"][k] is v for k, v in before["attributes"].items())
+    for (group, items, params), (group2, items2, params2) in zip(before["groups"], after["groups"]):
+        assert group2 is group and items2.keys() == items.keys()
+        assert all(a is b for a, b in zip(params, params2)) and len(params) == len(params2)
+    assert len(before["state"]) == len(after["state"])
+    for (key, value, items), (key2, value2, items2) in zip(before["state"], after["state"]):
+        assert key2 is key and value2 is value and items2.keys() == items.keys()
+        for name, (tensor, saved) in items.items():
+            assert items2[name][0] is tensor and torch.equal(items2[name][1], saved)
+            assert items2[name][1].dtype is saved.dtype
+    assert all(a is b for a, b in zip(before["torch"], after["torch"]))
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2", "O3"])
+def test_a_torchscript_model_is_refused_before_anything_changes(opt_level):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 4)
+    scripted = torch.jit.script(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.Adam(list(plain.parameters()) + list(scripted.parameters()), lr=0.1)
+    for _ in range(2):
+        (plain(torch.randn(3, 4)).sum() + scripted(torch.randn(3, 4)).sum()).backward()
+        optimizer.step()
+    before = _everything([plain, scripted], optimizer)
+    with pytest.raises(RuntimeError, match="models\\[1\\] is a TorchScript module"):
+        amp.initialize([plain, scripted], optimizer, opt_level=opt_level, verbosity=0)
+    _assert_unchanged(before, _everything([plain, scripted], optimizer))
+    assert not amp_state.initialized
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_initialize_failing_late_puts_everything_back_exactly(opt_level, monkeypatch):
+    """A failure after the models were cast (here: the last step of initialize raises) leaves
+    weights, gradients, optimizer state and groups, and torch exactly as they were: O3 keeps no
+    FP32 copy, so an undo alone would give the weights back rounded to FP16."""
+    from amp.weights import engines
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    optimizer = _trained_adam(model)
+    model(torch.randn(3, 4)).sum().backward()  # gradients waiting too
+    buffers = {name: (b, b.clone()) for name, b in model.named_buffers()}
+    before = _everything([model], optimizer)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engines, "watch_parameters", fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    monkeypatch.undo()
+    _assert_unchanged(before, _everything([model], optimizer))
+    for name, buffer in model.named_buffers():
+        assert buffer is buffers[name][0] and torch.equal(buffer, buffers[name][1])
+    assert not amp_state.initialized and not amp_state.torch_patches.installed
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    amp.deinitialize()

@@ -1,0 +1,463 @@
+"""amp.autocast regions and O1 casting (amp/casting/autocast.py): what is cast, the weight cache,
+regions and threads, RNNs, custom_fwd / custom_bwd."""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp
+from amp._state import amp_state
+from helpers import DTYPES
+from helpers.models import loss_of, make_model
+
+LOW = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+
+
+class CastCounter(torch.overrides.TorchFunctionMode):
+    """Counts the casts amp makes: calls of Tensor.to and its dtype shorthands that change the
+    dtype."""
+
+    CASTS = (torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.float)
+
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in self.CASTS and isinstance(result, torch.Tensor) and result is not args[0]:
+            self.casts += 1
+        return result
+
+
+# -- what is cast -------------------------------------------------------------------------------
+
+
+@LOW
+def test_listed_ops_run_in_their_policy_dtype(dtype):
+    x = torch.randn(4, 4)
+    with amp.autocast(dtype=dtype):
+        assert torch.mm(x, x).dtype is dtype
+        assert (x @ x).dtype is dtype
+        assert x.to(dtype).softmax(-1).dtype is torch.float32
+        assert torch.relu(x).dtype is torch.float32  # unlisted: runs as given
+        assert torch.relu(x.to(dtype)).dtype is dtype
+
+
+@LOW
+def test_out_and_in_place_calls_run_untouched(dtype):
+    x = torch.randn(4, 4)
+    out = torch.empty(4, 4)
+    with amp.autocast(dtype=dtype):
+        torch.mm(x, x, out=out)
+        assert out.dtype is torch.float32
+        y = x.clone()
+        y.add_(x.to(dtype))
+        assert y.dtype is torch.float32
+
+
+@LOW
+def test_explicit_dtype_runs_as_asked(dtype):
+    x = torch.randn(4, 4).to(dtype)
+    with amp.autocast(dtype=dtype):
+        assert torch.softmax(x, -1, dtype=dtype).dtype is dtype
+        assert torch.softmax(x, -1, dtype).dtype is dtype  # positional
+        assert x.sum(dtype=torch.float64).dtype is torch.float64
+        assert x.sum().dtype is torch.float32
+
+
+@LOW
+def test_float64_int_and_bool_are_never_cast(dtype):
+    d = torch.randn(3, 3, dtype=torch.float64)
+    i = torch.arange(9).reshape(3, 3)
+    with amp.autocast(dtype=dtype):
+        assert torch.mm(d, d).dtype is torch.float64
+        assert torch.mm(i, i).dtype is torch.int64
+        assert torch.sum(i).dtype is torch.int64
+        assert torch.exp(d).dtype is torch.float64
+        with pytest.raises(RuntimeError):
+            torch.mm(d, torch.randn(3, 3))  # the FP32 argument is cast, the float64 one is not
+
+
+def test_promote_widest_and_mixed_low_types():
+    h = torch.randn(3, dtype=torch.float16)
+    b = torch.randn(3, dtype=torch.bfloat16)
+    f = torch.randn(3)
+    with amp.autocast():
+        assert torch.atan2(h, f).dtype is torch.float32
+        assert torch.atan2(h, h).dtype is torch.float16
+        assert torch.atan2(h, b).dtype is torch.float32  # torch.amp raises here; amp widens
+        assert torch.cat([h, h]).dtype is torch.float16
+        assert torch.cat([h, f, h]).dtype is torch.float32
+        assert torch.cat(tensors=[h, b]).dtype is torch.float32
+        assert torch.stack([b, f]).dtype is torch.float32
+
+
+@LOW
+def test_banned_function_explains_what_to_use(dtype):
+    p = torch.rand(4, dtype=dtype)
+    with amp.autocast(dtype=dtype):
+        with pytest.raises(NotImplementedError, match="BCEWithLogitsLoss"):
+            F.binary_cross_entropy(p, p)
+        with pytest.raises(NotImplementedError, match="BCEWithLogitsLoss"):
+            torch.nn.BCELoss()(p, p)
+        assert F.binary_cross_entropy(p.float(), p.float()).dtype is torch.float32
+        with amp.disable_casts():
+            F.binary_cross_entropy(p.float(), p.float())
+
+
+@LOW
+def test_device_type_limits_casting(dtype):
+    x = torch.randn(4, 4)
+    with amp.autocast(dtype=dtype, device_type="cuda"):
+        assert torch.mm(x, x).dtype is torch.float32  # a CPU tensor is left alone
+    with amp.autocast(dtype=dtype, device_type="cpu"):
+        assert torch.mm(x, x).dtype is dtype
+
+
+def test_containers_of_tensors_are_cast():
+    weights = [torch.randn(4, 4) for _ in range(2)]
+    with amp.autocast():
+        assert torch.linalg.multi_dot([weights[0], weights[1], weights[0]]).dtype is torch.float16
+        assert torch.einsum("ij,jk->ik", weights[0], weights[1]).dtype is torch.float16
+
+
+# -- the weight cache -------------------------------------------------------------------------------
+
+
+def test_weight_is_cast_once_per_region_and_per_dtype():
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with CastCounter() as counter:
+        with amp.autocast():
+            for _ in range(3):
+                linear(x)
+        # input 3 times, weight and bias once each
+        assert counter.casts == 3 + 2
+        with amp.autocast():
+            linear(x)
+            with amp.autocast(dtype=torch.bfloat16):
+                assert linear(x).dtype is torch.bfloat16  # never the float16 cast (torch's bug)
+            assert linear(x).dtype is torch.float16
+    assert len(amp_state.cast_cache) == 0  # cleared when the outermost region exits
+
+
+def test_cache_disabled_casts_every_time():
+    linear = torch.nn.Linear(4, 4)
+    with CastCounter() as counter:
+        with amp.autocast(cache_enabled=False):
+            linear(torch.randn(2, 4))
+            linear(torch.randn(2, 4))
+    assert counter.casts == 6
+
+
+@pytest.mark.parametrize("update", ["in_place", "data_assignment", "optimizer_step"])
+def test_cache_never_serves_a_stale_weight(update):
+    linear = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(linear.parameters(), lr=1.0)
+    x = torch.randn(2, 4)
+    with amp.autocast():
+        first = linear(x)
+        if update == "in_place":
+            with torch.no_grad():
+                linear.weight.mul_(2)
+        elif update == "data_assignment":
+            linear.weight.data = linear.weight.data * 2
+        else:
+            first.float().sum().backward()
+            optimizer.step()
+        second = linear(x)
+        expected = F.linear(x.half(), linear.weight.half(), linear.bias.half())
+    assert torch.equal(second, expected)
+    assert not torch.equal(first, second)
+
+
+def test_cache_never_serves_the_cast_of_another_weight():
+    # Weights made and dropped inside one region: each call gets the cast of its own weight.
+    x = torch.randn(2, 4)
+    with amp.autocast():
+        for _ in range(20):
+            weight = torch.nn.Parameter(torch.randn(4, 4))
+            expected = F.linear(x.half(), weight.detach().half())
+            assert torch.equal(F.linear(x, weight), expected)
+            del weight
+
+
+def test_cleared_cache_keeps_no_weight_alive():
+    linear = torch.nn.Linear(4, 4)
+    weight = weakref.ref(linear.weight)
+    with amp.autocast():
+        linear(torch.randn(2, 4))
+        assert len(amp_state.cast_cache) == 2
+    del linear
+    gc.collect()
+    assert weight() is None
+
+
+def test_cache_made_under_no_grad_still_trains():
+    linear = torch.nn.Linear(4, 4)
+    with amp.autocast():
+        with torch.no_grad():
+            linear(torch.randn(2, 4))
+        out = linear(torch.randn(2, 4))
+    assert out.requires_grad
+    out.float().sum().backward()
+    assert linear.weight.grad is not None and linear.weight.grad.dtype is torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_frees_the_weight_casts_as_it_goes(dtype):
+    """The forward's weight casts are not held through backward: autograd frees each one once
+    its node has run, as under torch.autocast (lower peak memory)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O1", dtype=dtype, verbosity=0)
+    try:
+        saved = []
+
+        def keep_a_weakref(tensor):
+            if tensor.dtype is dtype:
+                saved.append(weakref.ref(tensor))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep_a_weakref, lambda tensor: tensor):
+            loss = loss_of(model, 0)
+        assert len(amp_state.cast_cache) == 4  # two weights, two biases
+        with amp.scale_loss(loss, optimizer) as scaled:
+            assert len(amp_state.cast_cache) == 0
+            scaled.backward()
+            gc.collect()
+            assert len(saved) >= 2 and all(ref() is None for ref in saved)
+    finally:
+        amp.deinitialize()
+
+
+def test_inference_mode_casts_are_not_cached():
+    linear = torch.nn.Linear(4, 4)
+    with amp.autocast():
+        with torch.inference_mode():
+            linear(torch.randn(2, 4))
+        assert len(amp_state.cast_cache) == 0
+        out = linear(torch.randn(2, 4))
+    out.float().sum().backward()
+
+
+# -- regions ----------------------------------------------------------------------------------------
+
+
+def test_nesting_restores_the_outer_region():
+    x = torch.randn(3, 3)
+    with amp.autocast(dtype=torch.bfloat16):
+        with amp.autocast(enabled=False):
+            assert torch.mm(x, x).dtype is torch.float32
+            with amp.autocast(dtype=torch.float16):
+                assert torch.mm(x, x).dtype is torch.float16
+            assert torch.mm(x, x).dtype is torch.float32
+        assert torch.mm(x, x).dtype is torch.bfloat16
+
+
+def test_patches_stay_between_regions_and_deinitialize_restores_torch():
+    original = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear, torch.autocast.__enter__
+    x = torch.randn(3, 3)
+    with amp.autocast():
+        assert torch.mm is not original[0]
+    # Installed until amp.deinitialize(), so the next region is cheap; outside a region every
+    # patched call runs its original untouched.
+    assert torch.mm is not original[0]
+    assert torch.mm(x, x).dtype is torch.float32
+    assert torch.mm(x, x).equal(original[0](x, x))
+    amp.deinitialize()
+    current = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear, torch.autocast.__enter__
+    assert all(now is then for now, then in zip(current, original))
+    assert "mm" not in vars(torch.Tensor)
+
+
+def test_exceptions_restore_state():
+    x = torch.randn(3, 3)
+    with pytest.raises(ZeroDivisionError):
+        with amp.autocast():
+            with amp.disable_casts():
+                raise ZeroDivisionError("from inside both regions")
+    assert torch.mm(x, x).dtype is torch.float32
+    assert amp_state.torch_patches.users == 0
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_decorator_form_and_validation():
+    @amp.autocast(dtype=torch.bfloat16)
+    def product(a):
+        return a @ a
+
+    assert product(torch.randn(2, 2)).dtype is torch.bfloat16
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        amp.autocast(dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="device_type"):  # torch's exception type
+        amp.autocast(device_type="tpu")
+    with pytest.raises(TypeError, match="callable"):
+        amp.autocast()(3)
+
+
+def test_regions_are_thread_local():
+    x = torch.randn(3, 3)
+    seen = {}
+
+    def other_thread():
+        seen["dtype"] = torch.mm(x, x).dtype
+
+    with amp.autocast():
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert torch.mm(x, x).dtype is torch.float16
+    assert seen["dtype"] is torch.float32  # a new thread starts outside any region
+
+
+def test_o1_casts_in_every_thread_and_disable_casts_is_local():
+    model = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        x = torch.randn(3, 3)
+        seen = {}
+
+        def other_thread():
+            seen["dtype"] = torch.mm(x, x).dtype
+
+        with amp.disable_casts():
+            worker = threading.Thread(target=other_thread)
+            worker.start()
+            worker.join()
+            assert torch.mm(x, x).dtype is torch.float32
+        assert seen["dtype"] is torch.float16
+        assert torch.mm(x, x).dtype is torch.float16
+    finally:
+        amp.deinitialize()
+
+
+def test_optimizer_step_runs_with_casts_disabled():
+    model = torch.nn.Linear(3, 3)
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype)
+            return super().step(closure)
+
+    optimizer = Spy(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    try:
+        with amp.scale_loss(model(torch.randn(2, 3)).float().mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    finally:
+        amp.deinitialize()
+    assert seen == [torch.float32]
+
+
+# -- RNNs ---------------------------------------------------------------------------------------------
+
+
+@LOW
+@pytest.mark.parametrize(
+    "module",
+    [
+        lambda: torch.nn.LSTM(4, 3),
+        lambda: torch.nn.GRU(4, 3, num_layers=2),
+        lambda: torch.nn.RNN(4, 3, bidirectional=True),
+        lambda: torch.nn.RNN(4, 3, nonlinearity="relu"),
+    ],
+    ids=["lstm", "gru-2-layers", "rnn-bidirectional", "rnn-relu"],
+)
+def test_rnns_run_in_low_precision(module, dtype):
+    rnn = module()
+    x = torch.randn(5, 2, 4, requires_grad=True)
+    with amp.autocast(dtype=dtype):
+        output, _ = rnn(x)
+    assert output.dtype is dtype
+    output.float().sum().backward()
+    assert x.grad.dtype is torch.float32
+    assert all(p.grad.dtype is torch.float32 for p in rnn.parameters())
+
+
+@LOW
+@pytest.mark.parametrize("cell", [torch.nn.LSTMCell, torch.nn.GRUCell, torch.nn.RNNCell])
+def test_rnn_cells_run_in_low_precision(cell, dtype):
+    rnn = cell(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    with amp.autocast(dtype=dtype):
+        state = None
+        for _ in range(3):
+            state = rnn(x, state)
+        output = state[0] if isinstance(state, tuple) else state
+    assert output.dtype is dtype
+    output.float().sum().backward()
+    assert x.grad.dtype is torch.float32
+
+
+def test_packed_sequences():
+    rnn = torch.nn.LSTM(4, 3, num_layers=2)
+    x = torch.randn(6, 3, 4, requires_grad=True)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 4, 3]))
+    with amp.autocast():
+        output, _ = rnn(packed)
+    assert output.data.dtype is torch.float16
+    output.data.float().sum().backward()
+    assert x.grad.dtype is torch.float32
+
+
+
+# -- custom_fwd / custom_bwd ---------------------------------------------------------------------------
+
+
+def _function(cast_inputs):
+    class Square(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(cast_inputs=cast_inputs)
+        def forward(ctx, a, container):
+            ctx.save_for_backward(a)
+            ctx.forward_dtype = torch.mm(a, a).dtype
+            return a * container["b"]
+
+        @staticmethod
+        @amp.custom_bwd
+        def backward(ctx, grad):
+            (a,) = ctx.saved_tensors
+            ctx_dtype = torch.mm(a, a).dtype
+            Square.backward_dtypes.append(ctx_dtype)
+            return grad * 2, None
+
+    Square.backward_dtypes = []
+    return Square
+
+
+def test_custom_fwd_cast_inputs_turns_casting_off_inside():
+    function = _function(torch.float32)
+    a = torch.randn(3, 3, dtype=torch.float16, requires_grad=True)
+    with amp.autocast():
+        out = function.apply(a, {"b": torch.ones(3, 3, dtype=torch.float16)})
+    assert out.dtype is torch.float32
+    out.sum().backward()
+    assert function.backward_dtypes == [torch.float32]
+    assert a.grad.dtype is torch.float16
+
+
+def test_custom_fwd_without_cast_inputs_keeps_the_region_in_backward():
+    function = _function(None)
+    a = torch.randn(3, 3, requires_grad=True)
+    with amp.autocast(dtype=torch.bfloat16):
+        out = function.apply(a, {"b": torch.ones(3, 3)})
+    out.sum().backward()  # outside the region: backward still runs under its policy
+    assert function.backward_dtypes == [torch.bfloat16]
+
+
+def test_custom_fwd_outside_a_region_does_nothing():
+    function = _function(torch.float32)
+    a = torch.randn(3, 3, dtype=torch.float16, requires_grad=True)
+    assert function.apply(a, {"b": torch.ones(3, 3, dtype=torch.float16)}).dtype is torch.float16
+
+

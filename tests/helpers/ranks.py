@@ -1,0 +1,37 @@
+"""Two-rank gloo jobs for the tests: a free port, and a helper script run as ranks 0 and 1."""
+
+import socket
+import subprocess
+import sys
+
+from helpers import subprocess_env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(script, *args, timeout=240):
+    """Run `script` (with `args`) as ranks 0 and 1 of a gloo job; fail with a rank's log tail if
+    either exits non-zero."""
+    env = subprocess_env(
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, script, *map(str, args)],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    logs = [process.communicate(timeout=timeout)[0] for process in processes]
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log[-3000:]

@@ -1,0 +1,220 @@
+"""The benchmarks (benchmarks/) run, and what they count is right (timing is for benchmarks/,
+never asserted). Each script runs at its smallest size in the default run; the whole suite
+(run_all.py --quick --tiny, minutes on a loaded machine) is marked slow: `make test-all`."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import end_to_end  # noqa: E402
+import kernels as kernel_benchmark  # noqa: E402
+import o1_transformer  # noqa: E402
+import scaler as scaler_benchmark  # noqa: E402
+import step_costs  # noqa: E402
+import variants  # noqa: E402
+import workloads  # noqa: E402
+from measure import peak_memory, python_calls, settle  # noqa: E402
+
+MIB = 2**20
+
+
+@pytest.mark.slow
+def test_run_all_quick_prints_the_summary():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=1200,  # about 2 CPU-minutes; the shared build machine can stretch that 4x
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = result.stdout[result.stdout.index("summary on") :]
+    for row in (
+        "transformer step",
+        "loss scaling + step",
+        "per-call overhead",
+        "kernels",
+        "step costs",
+        "amp O2, transformer-w16-d16-s8",
+        "amp O3, transformer-w64-d4-s32",
+        "manual O2 fused, cnn-tiny",
+        "gpt2 (tiny) step",
+        "resnet50 (tiny) step",
+    ):
+        assert row in summary
+    assert "did not train" not in summary
+    assert "Ran on the CPU" in summary.splitlines()[-1]
+
+
+def test_o1_transformer_runs_every_variant_at_its_smallest_size(capsys):
+    sizes = ["--width", "8", "--batch", "1", "--length", "4", "--layers", "1"]
+    results = o1_transformer.main(["--steps", "1", "--rounds", "1", "--device", "cpu", *sizes])
+    assert list(results) == ["fp32", "torch.autocast", "amp O1", "amp.autocast"]
+    assert all(row["time"] > 0 for row in results.values())
+    assert results["torch.autocast"]["/ torch.autocast"] == 1.0  # the ratios' reference
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in results)
+
+
+def test_scaler_benchmark_runs_its_three_variants_at_its_smallest_size(capsys):
+    medians = scaler_benchmark.main(
+        ["--tensors", "2", "--steps", "1", "--rounds", "1", "--device", "cpu"]
+    )
+    assert list(medians) == ["plain", "torch GradScaler", "amp"]
+    assert all(seconds > 0 for seconds in medians.values())
+    assert "loss scaling + step, 2 parameter tensors, cpu" in capsys.readouterr().out
+
+
+def test_kernel_benchmark_measures_each_case_once(monkeypatch, capsys):
+    """Each comparison measured once (the sizes are fixed); the rows' derived columns are the
+    arithmetic of what was measured."""
+    compare = kernel_benchmark.Timer.compare
+    monkeypatch.setattr(
+        kernel_benchmark.Timer,
+        "compare",
+        lambda self, a, b, repeat=15, inner=1, wall=False: compare(self, a, b, 1, 1, wall),
+    )
+    rows = kernel_benchmark.main()
+    assert [row["case"] for row in rows] == [
+        "large unscale (32 MiB)",
+        "1000 small tensors",
+        "fp16 grads -> fp32 masters",
+        "fp32 masters -> fp16 params",
+        "l2 norm, 300 tensors",
+    ]
+    for row in rows:
+        assert row["amp / torch"] == row["amp"] / row["torch"]
+    assert rows[0]["amp GB/s"] == 8 * 2**23 / rows[0]["amp"] / 1e9  # read and write, FP32
+    assert rows[2]["amp GB/s"] == 6 * 2**22 / rows[2]["amp"] / 1e9  # FP16 read, FP32 write
+    assert "kernels on cpu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "resnet50-tiny"])
+def test_every_variant_trains_the_end_to_end_models(model):
+    workload = workloads.END_TO_END[model]
+    table = end_to_end.run(workload, variants.VARIANTS, torch.bfloat16, "cpu", steps=1, warmup=0)
+    assert [row["variant"] for row in table] == list(variants.VARIANTS)
+    for row in table:
+        assert row["trained"], row["variant"]
+        assert row["calls"] > 100
+    (reference,) = [row for row in table if row["variant"] == "torch.autocast"]
+    assert reference["time / torch.autocast"] == reference["calls / torch.autocast"] == 1.0
+
+
+def test_manual_o2_steps_fp32_masters_and_keeps_batch_norm_fp32():
+    model = workloads.END_TO_END["resnet50-tiny"].build("cpu")
+    trainer = variants.setup("manual O2 fused", model, workloads.loss_fn, torch.bfloat16)
+    assert model.conv1.weight.dtype == torch.bfloat16
+    assert model.bn1.weight.dtype == torch.float32
+    before = model.conv1.weight.detach().clone()
+    trainer.step(*workloads.END_TO_END["resnet50-tiny"].batch("cpu"))
+    assert not torch.equal(before, model.conv1.weight)
+    assert all(p.grad is None for p in model.parameters())  # freed once copied to the masters
+
+
+class _Allocates:
+    """A trainer that holds 3 MiB and whose step holds 1 MiB and then 0.5 MiB more."""
+
+    model = None
+
+    def __init__(self):
+        self.kept = torch.ones(3 * MIB, dtype=torch.uint8)
+
+    def step(self, inputs, targets):
+        first = torch.ones(MIB, dtype=torch.uint8)
+        second = torch.ones(MIB // 2, dtype=torch.uint8)
+        del first, second
+        return None
+
+    def close(self):
+        pass
+
+
+def test_peak_memory_counts_the_allocators_bytes_on_cpu():
+    no_data = lambda: (None, None)  # noqa: E731
+    before, peak = peak_memory(_Allocates, no_data, no_data, "cpu")
+    assert before == 3 * MIB
+    assert peak == before + MIB + MIB // 2
+
+
+def test_python_calls_counts_each_call_of_one_step():
+    class Calls:
+        def __init__(self, count):
+            self.count = count
+
+        def step(self, inputs, targets):
+            for _ in range(self.count):
+                abs(inputs)
+
+        def loss_scale(self):
+            return None
+
+    assert python_calls(Calls(10), (1, None)) - python_calls(Calls(0), (1, None)) == 10
+
+
+def test_settle_steps_past_the_skips_and_the_step_after_them():
+    class Skips:
+        """Halves its scale on each of its first `skips` steps, as float16's first steps do."""
+
+        def __init__(self, skips):
+            self.skips, self.scale, self.steps = skips, 65536.0, 0
+
+        def step(self, inputs, targets):
+            self.steps += 1
+            if self.steps <= self.skips:
+                self.scale /= 2
+
+        def loss_scale(self):
+            return self.scale
+
+    trainer = Skips(3)
+    assert settle(trainer, (None, None)) == 5  # three skips, then two steps that keep the scale
+    assert trainer.scale == 65536.0 / 8
+    with pytest.raises(RuntimeError, match="still changed after 4 steps"):
+        settle(Skips(10), (None, None), limit=4)
+
+
+def test_step_costs_count_and_weigh_every_variant():
+    workload = workloads.host_bound_transformer(1)
+    names = list(variants.VARIANTS)
+    counted = step_costs.calls(workload, names, torch.bfloat16, "cpu", "default")
+    measured = step_costs.memory(workload, names, torch.bfloat16, "cpu", "default")
+    rows = step_costs.rows(workload.name, names, counted, measured)
+    assert [row["variant"] for row in rows] == names
+    assert rows[names.index("torch.autocast")]["peak / torch.autocast"] == 1.0
+    for name in names:
+        before, peak = measured[name]
+        assert 0 < before < peak, name
+        assert counted[name] > 100, name
+    # FP32 with AdamW holds each parameter, its gradient and two moments when a step starts;
+    # O3 holds all of them in bfloat16.
+    parameter_bytes = 4 * sum(p.numel() for p in workload.build("cpu").parameters())
+    assert measured["fp32"][0] >= 4 * parameter_bytes
+    assert measured["amp O3"][0] < measured["fp32"][0] * 0.6
+
+
+def test_step_costs_times_the_variants_in_rotating_rounds(monkeypatch):
+    """--time: every round builds each variant afresh and times it; the ratio column is the
+    median of the per-round ratios (here on a clock that counts the steps, not seconds)."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(step_costs.time, "thread_time", lambda: float(next(ticks)))
+    workload = workloads.host_bound_transformer(1)
+    names = ["torch.autocast", "amp O2"]
+    timed = step_costs.host_time(workload, names, torch.bfloat16, "cpu", "default", 2, 3)
+    assert {name: len(times) for name, times in timed.items()} == {name: 2 for name in names}
+    assert all(t == 1.0 for times in timed.values() for t in times)  # one tick per timed step
+    rows = step_costs.rows(workload.name, names, {}, {}, timed)
+    assert [(row["time"], row["time / torch.autocast"]) for row in rows] == [(1.0, 1.0)] * 2
+
+
+def test_step_costs_report_the_calls_loss_scaling_adds_at_every_level():
+    table = step_costs.scaling_rows()
+    assert [row["opt level"] for row in table] == ["O0", "O1", "O2", "O3"]
+    reference = {row["torch.amp.GradScaler calls"] for row in table}
+    assert len(reference) == 1 and reference.pop() > 20
+    # O2's unscale into the masters and copy back cost calls O0 and O3 do not make
+    assert table[2]["amp calls"] > table[0]["amp calls"] == table[3]["amp calls"] > 0

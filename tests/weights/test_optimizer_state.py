@@ -1,0 +1,159 @@
+"""O2 checkpoints of the optimizer (amp/weights/optimizer_state.py): optimizer.state_dict() carries
+the FP32 masters, loads into plain FP32 training, and a load it refuses changes nothing. Resuming
+from a checkpoint bit for bit: tests/programs/test_resume.py."""
+
+import copy
+
+import pytest
+import torch
+
+import amp
+from helpers.models import loss_of, make_model
+from helpers.o2 import optimizer_params, saved, setup, train_step
+from helpers.o2 import static_o2
+from helpers.state import assert_equal_states, assert_same, everything, snapshot, step_cleanly
+
+
+def test_optimizer_state_dict_carries_masters_and_malformed_ones_change_nothing():
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        with amp.scale_loss(loss_of(model, 0), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        saved = copy.deepcopy(optimizer.state_dict())
+        assert set(saved["amp_master_params"]) == {0, 1, 2, 3}
+        before = snapshot(model, optimizer)
+        bad = copy.deepcopy(saved)
+        bad["amp_master_params"][1] = torch.zeros(3)
+        with pytest.raises(ValueError, match="master weight 1 has shape"):
+            optimizer.load_state_dict(bad)
+        bad["amp_master_params"] = {9: torch.zeros(8, 4)}
+        with pytest.raises(ValueError, match="not an O2 master here"):
+            optimizer.load_state_dict(bad)
+        assert_equal_states(before, snapshot(model, optimizer))
+        with amp.scale_loss(loss_of(model, 1), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.load_state_dict(saved)
+        assert_equal_states(before, snapshot(model, optimizer))
+    finally:
+        amp.deinitialize()
+
+
+def test_o2_checkpoint_loads_into_plain_fp32_training():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        with amp.scale_loss(loss_of(model, 0), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        model_state, optimizer_state = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+        masters = [m.detach().clone() for m in amp.master_params(optimizer)]
+    finally:
+        amp.deinitialize()
+    plain = make_model(5)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain.load_state_dict(model_state)
+    plain_optimizer.load_state_dict(optimizer_state)
+    for param, master in zip(plain.parameters(), masters):
+        assert torch.equal(param, master)
+
+
+def test_an_o2_checkpoint_with_missing_masters_is_refused_and_changes_nothing(trained):
+    model, optimizer = trained("O2")
+    step_cleanly(model, optimizer)
+    saved = copy.deepcopy(optimizer.state_dict())
+    step_cleanly(model, optimizer, 1)
+    before = everything(model, optimizer)
+    fewer = dict(saved, amp_master_params={0: saved["amp_master_params"][0]})
+    with pytest.raises(ValueError, match=r"lacks the master weights of parameters \[1, 2, 3\]"):
+        optimizer.load_state_dict(fewer)
+    with pytest.raises(TypeError, match="Drop the key"):
+        optimizer.load_state_dict(dict(saved, amp_master_params=None))
+    assert_same(before, everything(model, optimizer))
+    optimizer.load_state_dict(saved)  # the whole checkpoint loads
+    for master, value in zip(amp.master_params(optimizer), saved["amp_master_params"].values()):
+        assert torch.equal(master, value)
+
+
+class _Uncopyable(torch.Tensor):
+    """A master weight that passes every check and still cannot be copied from."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            raise RuntimeError("this tensor cannot be copied")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _o2_adam_two_steps():
+    import copy
+
+    model, optimizer = static_o2(torch.optim.Adam)
+
+    def step():
+        with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    step()
+    return model, optimizer, saved
+
+
+@pytest.mark.parametrize("bad", ["meta", "sparse", "uncopyable"])
+def test_a_load_with_an_unusable_master_changes_nothing(bad):
+    model, optimizer, saved = _o2_adam_two_steps()
+    masters = dict(saved["amp_master_params"])
+    value = masters[0]
+    if bad == "meta":
+        masters[0] = value.to("meta")
+    elif bad == "sparse":
+        masters[0] = value.to_sparse()
+    else:
+        masters[0] = value.as_subclass(_Uncopyable)
+    saved["amp_master_params"] = masters
+    state = {param: {k: v.clone() for k, v in s.items()} for param, s in optimizer.state.items()}
+    params = [p.detach().clone() for p in amp.master_params(optimizer)]
+    with pytest.raises((ValueError, RuntimeError), match="meta|sparse|cannot be copied"):
+        optimizer.load_state_dict(saved)
+    assert all(float(s["step"]) == 2 for s in optimizer.state.values())
+    for param, entries in state.items():
+        assert all(torch.equal(optimizer.state[param][k], v) for k, v in entries.items())
+    assert all(torch.equal(p, q) for p, q in zip(amp.master_params(optimizer), params))
+    amp.deinitialize()
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("skipped", [False, True], ids=["after-a-step", "after-a-skipped-step"])
+def test_an_optimizer_checkpoint_saved_first_holds_a_write_into_the_model(skipped):
+    """A write into the model after a step (a mask, a broadcast) is the masters' value from then
+    on. An optimizer checkpoint serialized before the model's state dict is looked at must hold
+    it, or the resumed run steps from masters without it (not bit-exact with the run that went
+    on). A skipped step between the write and the save must not lose it either."""
+    model, optimizer = setup()
+    train_step(model, optimizer)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    if skipped:
+        train_step(model, optimizer, seed=2, scale=1e30)  # FP16 gradients overflow
+        assert amp.last_overflow() is not None
+    optimizer_file = saved(optimizer.state_dict())
+    model_file = saved(model.state_dict())
+    amp_state_dict = amp.state_dict()
+    train_step(model, optimizer, seed=3)
+    went_on = optimizer_params(optimizer)
+    amp.deinitialize()
+
+    model, optimizer = setup()
+    model.load_state_dict(torch.load(model_file))
+    optimizer.load_state_dict(torch.load(optimizer_file))
+    amp.load_state_dict(amp_state_dict)
+    train_step(model, optimizer, seed=3)
+    for resumed, expected in zip(optimizer_params(optimizer), went_on):
+        assert torch.equal(resumed, expected)
