@@ -15,8 +15,9 @@ with its tensors, and counts:
                that re-reads its inputs from cache counts them once.
   saved        bytes of the tensors autograd saves for backward (their storages, once each),
                leaving out parameters and master weights, which exist anyway.
-  host reads   ops whose result the host waits for (.item(), bool(tensor), .tolist()): on a GPU
-               each one is a synchronisation. torch.optim's reads of its own step counters are
+  host reads   ops whose result the host waits for (.item(), bool(tensor)): on a GPU each one
+               is a synchronisation. `.tolist()` of a real CPU tensor reads its memory without
+               an op, so it is seen on FakeTensors only (one read per element). torch.optim's reads of its own step counters are
                left out: torch keeps them on the host in its non-capturable CUDA paths.
 
 Phases: "forward" until the first op of a backward, "backward" while autograd's engine runs,
