@@ -40,7 +40,7 @@ LIST_KINDS = (
     ("PROMOTED_BY_TORCH", PROMOTED_BY_TORCH),
 )
 
-# Names that exist only in newer torch releases than the oldest one amp supports (2.1). A name
+# Names that exist only in torch releases newer than 2.1 (amp supports 2.3 and newer). A name
 # missing from the installed torch is skipped; one missing and not listed here is a table error.
 NEWER_THAN_TORCH_2_1 = {
     ("torch", "rms_norm"): "torch 2.4",
