@@ -1,6 +1,7 @@
 """amp.GradScaler (amp/scaling/grad_scaler.py) against torch.amp.GradScaler: same traces, same
 errors, the same getters, setters and state dict, and it works on CPU."""
 
+import inspect
 import pickle
 
 import pytest
@@ -487,3 +488,29 @@ def test_state_dict_has_torchs_five_keys_and_round_trips_into_a_fresh_scaler(sou
     # Both go on identically: the loaded state is the one the next updates use.
     (went_on, _), (loaded, _) = _steps(first, count=4, overflow_at=2), _steps(fresh, 4, 2)
     assert went_on == loaded
+
+
+def test_is_torchs_grad_scaler_with_torchs_signature_and_amps_positional_form():
+    assert issubclass(amp.GradScaler, torch.amp.GradScaler)
+    ours = inspect.signature(amp.GradScaler).parameters
+    theirs = inspect.signature(torch.amp.GradScaler).parameters
+    assert list(ours) == list(theirs)
+    assert ours["device"].default is None  # the device comes from the tensors scaled
+    assert [p.default for p in list(ours.values())[1:]] == [
+        p.default for p in list(theirs.values())[1:]
+    ]
+    scaler = amp.GradScaler(8.0, 4.0, 0.25, 3, True)  # amp's (torch.cuda.amp's) positional form
+    assert (scaler.get_scale(), scaler.get_growth_factor()) == (8.0, 4.0)
+    assert (scaler.get_backoff_factor(), scaler.get_growth_interval()) == (0.25, 3)
+    scaler = amp.GradScaler("cpu", 8.0, 4.0)  # torch's
+    assert (scaler.get_scale(), scaler.get_growth_factor()) == (8.0, 4.0)
+    with pytest.raises(TypeError, match="multiple values"):
+        amp.GradScaler(8.0, init_scale=2.0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        amp.GradScaler(scale=2.0)
+
+
+def test_docstrings_say_where_it_synchronises():
+    assert "does not incur a CPU-GPU sync" in amp.GradScaler.unscale_.__doc__  # torch's own
+    for method in (amp.GradScaler.step, amp.GradScaler.update, amp.GradScaler.scale):
+        assert "sync" in method.__doc__, method.__name__
