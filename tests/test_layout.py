@@ -34,7 +34,7 @@ LAYERS = (
     ("amp.scaling",),  # loss scaling
     ("amp.weights",),  # O2/O3 weights, the optimizer that steps them, the engines
     ("amp.diagnostics.audit", "amp.diagnostics.report"),  # the audit runs the others' machinery
-    ("amp.frontend", "amp.__main__", "amp"),  # the front door
+    ("amp.frontend", "amp.__main__", "amp", "amp.lightning"),  # the front door
 )
 
 

@@ -1,0 +1,324 @@
+"""AmpPrecision's behaviour: amp.initialize, scale_loss and amp's steps inside Lightning's hooks.
+
+Written once for every copy of Lightning (flavours.py builds the class). The Trainer hands the
+plugin its LightningModule and optimizers in `connect`, after the model is on its device and, under
+DDP, already wrapped: amp.initialize then runs on the LightningModule itself and DDP is built again
+around the cast model (a DistributedDataParallel built for FP32 parameters would no longer reduce
+their gradients). Fabric hands a precision plugin only the module, never the optimizers, so with
+Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before `fabric.setup`.
+"""
+
+import contextlib
+import inspect
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+import amp
+
+from . import flavours
+
+_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+_LOW_PRECISION = {torch.float16: "16", torch.bfloat16: "bf16"}
+# amp.initialize's own arguments that the plugin fills in itself.
+_TAKEN = ("models", "optimizers", "opt_level", "dtype")
+_DDP = torch.nn.parallel.DistributedDataParallel
+
+
+def _precision_name(opt_level: str, dtype: torch.dtype) -> str:
+    """Lightning's name for what the model computes in (ModelSummary, ThroughputMonitor read it)."""
+    if opt_level == "O0":
+        return "32-true"
+    return f"{_LOW_PRECISION[dtype]}-{'true' if opt_level == 'O3' else 'mixed'}"
+
+
+class AmpPrecisionBehaviour:
+    """A Lightning precision plugin running amp: O1, O2 (FP32 master weights) or O3.
+
+    Works with ``lightning.pytorch.Trainer``, ``pytorch_lightning.Trainer`` and
+    ``lightning.fabric.Fabric`` (through ``amp.lightning.setup``)::
+
+        trainer = Trainer(plugins=[AmpPrecision(opt_level="O2", dtype=torch.bfloat16)])
+
+    Args:
+        opt_level: "O0", "O1", "O2" (default: a low-precision model stepped through FP32 master
+            weights) or "O3".
+        dtype: the low-precision type, ``torch.bfloat16`` (default) or ``torch.float16``.
+        log: log ``amp/loss_scale`` and ``amp/skipped_steps`` from the Trainer at every step.
+        **initialize_kwargs: any other argument of ``amp.initialize`` (``loss_scale``,
+            ``keep_batchnorm_fp32``, ``num_losses``, ``verbosity``, ``fp32_modules``, ...).
+
+    ``skipped_steps`` counts the optimizer steps amp skipped after a gradient overflow, and
+    ``last_step_skipped`` says whether the latest one was; ``amp.last_overflow()`` says where the
+    overflow came from. Checkpoints carry amp's loss scalers (``state_dict``).
+    """
+
+    def __init__(
+        self,
+        opt_level: str = "O2",
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        log: bool = False,
+        **initialize_kwargs: Any,
+    ) -> None:
+        if opt_level not in _OPT_LEVELS:
+            raise ValueError(
+                f"AmpPrecision: unexpected opt_level {opt_level!r}; expected one of "
+                f"{', '.join(_OPT_LEVELS)} (the letter O, not zero)."
+            )
+        if dtype not in _LOW_PRECISION:
+            raise ValueError(
+                f"AmpPrecision: dtype must be torch.float16 or torch.bfloat16; got {dtype!r}."
+            )
+        accepted = set(inspect.signature(amp.initialize).parameters) - set(_TAKEN)
+        unknown = sorted(set(initialize_kwargs) - accepted)
+        if unknown:
+            raise TypeError(
+                f"AmpPrecision: {', '.join(unknown)} is not an argument of amp.initialize; "
+                f"accepted: {', '.join(sorted(accepted))}."
+            )
+        super().__init__()
+        self.opt_level = opt_level
+        self.dtype = dtype
+        self.log = log
+        self.initialize_kwargs = dict(initialize_kwargs)
+        self.precision = _precision_name(opt_level, dtype)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self._model: Optional[torch.nn.Module] = None  # the module amp.initialize took
+        self._optimizers: List[torch.optim.Optimizer] = []
+        self._initialized = False
+        self._input_dtype: Optional[torch.dtype] = None  # O2/O3: the batch reaches the model so
+        self._trainer_base: Optional[type] = None  # the Trainer's Precision class; None: Fabric
+        self._ddp: Optional[_DDP] = None  # the DDP wrapper, whose no_sync() marks accumulation
+        self._pending_state: Optional[Dict[str, Any]] = None  # loaded before initialize
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self.initialize_kwargs.items())
+        return f"AmpPrecision(opt_level={self.opt_level!r}, dtype={self.dtype}{extra})"
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def initialize(
+        self, model: torch.nn.Module, optimizers: Optional[List[torch.optim.Optimizer]]
+    ) -> None:
+        """Run amp.initialize on `model` (FP32, on its device, not wrapped) and `optimizers`.
+
+        The Trainer calls it through `connect`, `amp.lightning.setup` for Fabric; None as
+        `optimizers` (evaluation) casts the model only.
+        """
+        if self._initialized:
+            raise RuntimeError(
+                "AmpPrecision: this plugin already set up a model; amp trains one set-up at a "
+                "time (pass every model and optimizer in one set-up, or tear down first)."
+            )
+        optimizers = [flavours.unwrap_optimizer(o) for o in optimizers or []] or None
+        amp.initialize(
+            model, optimizers, opt_level=self.opt_level, dtype=self.dtype, **self.initialize_kwargs
+        )
+        self._initialized = True
+        self._model = model
+        self._optimizers = optimizers or []
+        properties = amp._amp_state.opt_properties  # None where enabled=False
+        cast = getattr(properties, "cast_model_type", None)
+        self._input_dtype = cast if cast in _LOW_PRECISION else None
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+
+    def connect(self, model: torch.nn.Module, optimizers: List[Any], lr_schedulers: List[Any]):
+        """The Trainer's hook: the model on its device (DDP-wrapped under DDP), its optimizers."""
+        module = model.module if isinstance(model, _DDP) else model
+        flavour = flavours.of_module(module)
+        trainer = module.trainer
+        fitting = trainer.state.fn == "fit"
+        self.initialize(module, list(optimizers) if fitting else None)
+        self._trainer_base = flavour.precision
+        if isinstance(model, _DDP):
+            model = _wrap_again(trainer.strategy, module)
+            self._ddp = model
+        if fitting:
+            optimizers = flavours.lightning_optimizers(flavour, optimizers)
+        return model, optimizers, lr_schedulers
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Nothing to convert here: amp.initialize casts the model when it sees the optimizers."""
+        if self._initialized or getattr(module, "_trainer", None) is not None:
+            return module  # set up by amp.lightning.setup, or the Trainer's connect() will
+        raise RuntimeError(
+            "AmpPrecision with Fabric: call `model, optimizer = amp.lightning.setup(fabric, model, "
+            "optimizer)` instead of fabric.setup(...). amp.initialize needs the model together "
+            "with its optimizers (O2's FP32 master weights are made from the FP32 model), before "
+            "DDP wraps the model; Fabric hands a precision plugin the model alone."
+        )
+
+    def teardown(self) -> None:
+        """Undo amp.initialize: the model gets its FP32 weights back (from the masters at O2)."""
+        if self._initialized:
+            self._initialized = False
+            self._model, self._optimizers, self._ddp = None, [], None
+            amp.deinitialize()
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """No region: amp.initialize's casts are in force from set-up to teardown."""
+        return contextlib.nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        """At O2/O3 the batch's floating tensors (not float64) reach the model in its dtype, as
+        with Lightning's "bf16-true": training_step may call submodules directly."""
+        if self._input_dtype is None:
+            return data
+        from lightning_utilities import apply_to_collection
+
+        return apply_to_collection(data, torch.Tensor, _cast_floating, self._input_dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return data  # amp's forward hook already gave the outputs their dtype (FP32)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if self._trainer_base is None:
+            return None
+        return self._trainer_base.pre_backward(self, tensor, module)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        """Backward through ``amp.scale_loss``; on exit the gradients are unscaled and checked.
+
+        ``loss_id=i`` (e.g. ``self.manual_backward(loss, loss_id=1)``) picks amp's loss scaler.
+        A backward that DDP does not synchronise (gradient accumulation in ``no_sync``) leaves
+        its gradients scaled for the synchronised one to unscale, as amp requires under DDP.
+        """
+        self._require_initialized("backward")
+        loss_id = kwargs.pop("loss_id", 0)
+        optimizer = None
+        if self._trainer_base is not None:  # the Trainer passes the optimizer (None: manual)
+            optimizer, args = (args[0] if args else None), args[1:]
+        optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
+        if not optimizers:
+            raise RuntimeError(
+                "AmpPrecision.backward: no optimizer was set up with the model, so no gradient "
+                "would be unscaled. Pass the optimizers to amp.lightning.setup / the Trainer."
+            )
+        delay = self._ddp is not None and not self._ddp.require_backward_grad_sync
+        with amp.scale_loss(tensor, optimizers, loss_id=loss_id, delay_unscale=delay) as scaled:
+            if self._trainer_base is not None:
+                self._trainer_base.backward(self, scaled, model, optimizer, *args, **kwargs)
+            else:
+                scaled.backward(*args, **kwargs)
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        if self._trainer_base is None:
+            return None
+        return self._trainer_base.post_backward(self, tensor, module)
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: Any = None,
+        closure: Optional[Callable[[], Any]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Step through amp: skipped, changing nothing, after a gradient overflow.
+
+        With the Trainer the closure (training_step and backward) runs first, then the
+        ``on_before_optimizer_step`` hooks and gradient clipping on the FP32 masters, as in
+        Lightning's own plugins. LR schedulers step as Lightning schedules them, skipped step or
+        not (as with Lightning's "16-mixed" and torch's GradScaler).
+        """
+        optimizer = flavours.unwrap_optimizer(optimizer)
+        if closure is None:  # Fabric: the user ran backward already
+            return self._step(optimizer, model, **kwargs)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                "AmpPrecision: LBFGS re-evaluates the loss through a closure inside step(), "
+                "which amp does not support (scale_loss unscales once per backward)."
+            )
+        closure_result = closure()
+        self._trainer_base._after_closure(self, model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            return None  # training_step returned None: no backward, so no step (Lightning's rule)
+        return self._step(optimizer, model, **kwargs)
+
+    def _step(self, optimizer: Any, model: Any, **kwargs: Any) -> Any:
+        before = amp.last_overflow()
+        output = optimizer.step(**kwargs)
+        # amp.step decides on the host (one sync); a skip leaves a fresh overflow report.
+        self.last_step_skipped = amp.last_overflow() is not before
+        self.skipped_steps += self.last_step_skipped
+        if self.log and self._trainer_base is not None:
+            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+            model.log("amp/loss_scale", float(scale), on_step=True, on_epoch=False)
+            model.log("amp/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+        return output
+
+    # -- gradient clipping ---------------------------------------------------------------------
+
+    def main_params(self, optimizer: Any) -> Iterator[torch.nn.Parameter]:
+        """The parameters the optimizer steps: amp's FP32 masters at O2 (clipped by Lightning)."""
+        optimizer = flavours.unwrap_optimizer(optimizer)
+        if not self._initialized:
+            return (p for group in optimizer.param_groups for p in group["params"])
+        return amp.master_params(optimizer)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        return None  # scale_loss unscaled them when backward ended
+
+    def _clip_gradients(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        self._trainer_base._clip_gradients(self, model, optimizer, *args, **kwargs)
+
+    def clip_gradients(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        base = self._trainer_base or flavours.installed()[0].precision
+        base.clip_gradients(self, flavours.unwrap_optimizer(optimizer), *args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """amp's loss scalers (plain Python values) and the count of skipped steps."""
+        if not self._initialized:
+            return {}
+        return {"amp": dict(amp.state_dict()), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (or a bare ``amp.state_dict()``); before set-up it is
+        kept and loaded when amp.initialize has run."""
+        if not self._initialized:
+            self._pending_state = dict(state_dict)
+            return
+        amp_state = state_dict.get("amp", state_dict)
+        amp.load_state_dict({k: v for k, v in amp_state.items() if k != "skipped_steps"})
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _require_initialized(self, caller: str) -> None:
+        if not self._initialized:
+            raise RuntimeError(
+                f"AmpPrecision.{caller}: amp was not set up; with Fabric use "
+                "amp.lightning.setup(fabric, model, optimizer)."
+            )
+
+
+def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if tensor.is_floating_point() and tensor.dtype is not torch.float64:
+        return tensor.to(dtype)
+    return tensor
+
+
+def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:
+    """DistributedDataParallel built again around the cast module, as the strategy builds it.
+
+    The one the strategy built for FP32 parameters keeps buckets of their old dtype: it would
+    reduce nothing once amp has cast them (each rank training on alone).
+    """
+    if not hasattr(strategy, "configure_ddp"):
+        raise RuntimeError(
+            f"AmpPrecision: {type(strategy).__name__} wrapped the model in "
+            "DistributedDataParallel before amp.initialize could cast it, and AmpPrecision can "
+            "rebuild the wrapper only for Lightning's DDPStrategy."
+        )
+    strategy.model = module
+    strategy.configure_ddp()
+    return strategy.model

@@ -1,0 +1,293 @@
+"""AmpPrecision in lightning.pytorch.Trainer: the same training as amp by hand, bit for bit."""
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")  # installed by `make test` (the `lightning` extra)
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import amp  # noqa: E402
+from amp.lightning import AmpPrecision  # noqa: E402
+from lightning_helpers import (  # noqa: E402
+    BATCHES,
+    Capture,
+    Regressor,
+    amp_loop,
+    assert_same_tensors,
+    loader,
+    poison,
+    trainer,
+)
+
+LEVELS = [
+    ("O1", torch.float16),
+    ("O1", torch.bfloat16),
+    ("O2", torch.float16),
+    ("O2", torch.bfloat16),
+    ("O3", torch.bfloat16),  # with a dynamic loss scale, so that the overflow is skipped
+]
+
+
+@pytest.mark.parametrize("opt_level,dtype", LEVELS)
+def test_trainer_trains_as_amp_by_hand_and_skips_an_overflow(opt_level, dtype):
+    plugin = AmpPrecision(opt_level=opt_level, dtype=dtype, verbosity=0, loss_scale="dynamic")
+    model, capture = Regressor(overflow_at={1}), Capture()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(plugin, [capture], max_steps=BATCHES).fit(model, loader())
+    expected = amp_loop(opt_level, dtype, BATCHES, overflow_at={1}, loss_scale="dynamic")
+
+    assert model.losses == expected["losses"]
+    assert_same_tensors(capture.weights, expected["weights"])  # FP32 state dict (masters at O2)
+    assert_same_tensors(capture.low, expected["low"])  # the weights the model computes with
+    assert_same_tensors(capture.optimizer, expected["optimizer"])
+    assert capture.plugin["amp"]["loss_scaler0"]["loss_scale"] == expected["scale"]
+    # The injected overflow skipped its step, visibly; the model computed in dtype meanwhile.
+    assert plugin.skipped_steps >= 1 and capture.overflow is not None
+    assert capture.plugin["skipped_steps"] == plugin.skipped_steps
+    weight = {"O1": torch.float32, "O2": dtype, "O3": dtype}[opt_level]
+    master = torch.float32 if opt_level != "O3" else dtype
+    assert set(model.seen) == {(weight, master)}
+    # The step schedule follows the Trainer's steps, skipped ones too, without torch's warning
+    # that the scheduler stepped before the optimizer.
+    assert capture.lr == pytest.approx(1e-2 * 0.9**BATCHES)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    # Teardown undid amp: FP32 weights again, equal to the masters at O2.
+    assert model.net[0].weight.dtype is torch.float32
+    if opt_level == "O2":
+        assert torch.equal(model.net[0].weight, capture.weights["0.weight"])
+
+
+def test_a_skipped_step_changes_nothing_and_says_so(caplog):
+    plugin = AmpPrecision(opt_level="O2", dtype=torch.bfloat16, verbosity=1)
+    before = {}
+
+    class Watch(Capture):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 2:
+                before["masters"] = [
+                    p.detach().clone() for p in plugin.main_params(trainer.optimizers[0])
+                ]
+                before["state"] = {
+                    k: v.clone()
+                    for k, v in trainer.optimizers[0].state_dict()["state"][0].items()
+                }
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                assert plugin.last_step_skipped
+                masters = [p.detach() for p in plugin.main_params(trainer.optimizers[0])]
+                assert all(torch.equal(a, b) for a, b in zip(masters, before["masters"]))
+                state = trainer.optimizers[0].state_dict()["state"][0]
+                assert all(torch.equal(state[k], v) for k, v in before["state"].items())
+            else:
+                assert not plugin.last_step_skipped
+
+    watch = Watch()
+    with caplog.at_level("INFO", logger="amp"):
+        trainer(plugin, [watch], max_steps=BATCHES).fit(Regressor(overflow_at={2}), loader())
+    assert plugin.skipped_steps == 1
+    assert "Gradient overflow.  Skipping step" in caplog.text
+    assert watch.overflow.params == ("net.0.weight", "net.0.bias", "net.1.weight",
+                                          "net.1.bias", "net.3.weight", "net.3.bias")
+
+
+def test_next_to_lightnings_bf16_mixed():
+    """O1 bf16 casts the same ops as torch.autocast here: the losses agree closely; after an
+    overflow bf16-mixed trains on NaN while amp skips the step and goes on."""
+    runs = {}
+    for name, kwargs in (
+        ("amp O1", dict(plugin=AmpPrecision("O1", torch.bfloat16, verbosity=0))),
+        ("amp O2", dict(plugin=AmpPrecision("O2", torch.bfloat16, verbosity=0))),
+        ("bf16-mixed", dict(precision="bf16-mixed")),
+    ):
+        clean, broken = Regressor(), Regressor(overflow_at={1})
+        trainer(max_steps=BATCHES, **kwargs).fit(clean, loader())
+        trainer(max_steps=BATCHES, **kwargs).fit(broken, loader())
+        runs[name] = (clean.losses, broken.losses)
+    torch.testing.assert_close(runs["amp O1"][0], runs["bf16-mixed"][0], rtol=2e-2, atol=0)
+    torch.testing.assert_close(runs["amp O2"][0], runs["bf16-mixed"][0], rtol=5e-2, atol=0)
+    assert all(torch.isfinite(torch.tensor(runs["amp O2"][1])))
+    assert torch.isnan(torch.tensor(runs["bf16-mixed"][1][-1]))
+
+
+def test_gradient_clipping_clips_the_fp32_masters(monkeypatch):
+    clipped = []
+    original = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, *args, **kwargs):
+        parameters = list(parameters)
+        clipped.append([p.dtype for p in parameters])
+        return original(parameters, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    plugin = AmpPrecision("O2", torch.bfloat16, verbosity=0)
+    model, capture = Regressor(), Capture()
+    trainer(plugin, [capture], max_steps=2, gradient_clip_val=0.05).fit(model, loader())
+    assert clipped and all(dtypes == [torch.float32] * 6 for dtypes in clipped)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", original)
+    expected = amp_loop("O2", torch.bfloat16, 2, clip=0.05)
+    assert_same_tensors(capture.weights, expected["weights"])
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_gradient_accumulation(opt_level):
+    plugin = AmpPrecision(opt_level, torch.float16, verbosity=0)
+    model, capture = Regressor(overflow_at={1}), Capture()
+    run = trainer(plugin, [capture], max_steps=2, accumulate_grad_batches=2)
+    run.fit(model, loader())
+    expected = amp_loop(opt_level, torch.float16, 2, overflow_at={1}, accumulate=2)
+    assert model.losses == expected["losses"]
+    assert_same_tensors(capture.weights, expected["weights"])
+    assert_same_tensors(capture.optimizer, expected["optimizer"])
+    assert run.global_step == 2 and capture.lr == pytest.approx(1e-2 * 0.9**2)
+
+
+def test_resume_from_a_lightning_checkpoint_is_bit_exact(tmp_path):
+    """Two epochs straight, or one, a checkpoint, and the second in a fresh Trainer: the same
+    model, masters, optimizer state and loss scale, bit for bit (an overflow in each half)."""
+
+    def plugin():
+        return AmpPrecision("O2", torch.float16, verbosity=0)
+
+    straight = Capture()
+    trainer(plugin(), [straight], max_epochs=2).fit(Regressor(overflow_at={1, 5}), loader())
+
+    class SaveAtEnd(Capture):
+        def on_train_end(self, trainer, module):
+            trainer.save_checkpoint(tmp_path / "half.ckpt")
+
+    trainer(plugin(), [SaveAtEnd()], max_epochs=1).fit(Regressor(overflow_at={1, 5}), loader())
+    checkpoint = torch.load(tmp_path / "half.ckpt", weights_only=True)
+    assert checkpoint["AmpPrecision"]["amp"]["loss_scaler0"]["loss_scale"] < 65536.0
+    assert checkpoint["state_dict"]["net.0.weight"].dtype is torch.float32
+
+    resumed = Capture()
+    model = Regressor(overflow_at={1, 5})
+    resumed_plugin = plugin()
+    trainer(resumed_plugin, [resumed], max_epochs=2).fit(
+        model, loader(), ckpt_path=tmp_path / "half.ckpt"
+    )
+    assert_same_tensors(resumed.weights, straight.weights)
+    assert_same_tensors(resumed.low, straight.low)
+    assert_same_tensors(resumed.masters, straight.masters)
+    assert_same_tensors(resumed.optimizer, straight.optimizer)
+    assert resumed.plugin == straight.plugin
+    assert resumed_plugin.skipped_steps == straight.plugin["skipped_steps"] >= 2
+
+
+def test_validate_alone_casts_the_model_and_gives_it_back():
+    seen = []
+
+    class Evaluated(Regressor):
+        def validation_step(self, batch, batch_idx):
+            seen.append((self.net[0].weight.dtype, batch[0].dtype, self(batch[0]).dtype))
+
+    model = Evaluated()
+    trainer(AmpPrecision("O2", torch.bfloat16, verbosity=0)).validate(model, loader())
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16, torch.float32)}
+    assert model.net[0].weight.dtype is torch.float32
+
+
+def test_manual_optimization_with_two_optimizers_and_two_loss_scalers():
+    class TwoParts(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            first, second = self.optimizers()
+            for optimizer, loss_id, part in ((first, 0, self.net[:2]), (second, 1, self.net[3])):
+                optimizer.zero_grad()
+                out = self(x)
+                if loss_id == 1 and batch_idx == 1:
+                    poison(out)
+                loss = torch.nn.functional.mse_loss(out, y)
+                self.manual_backward(loss, loss_id=loss_id)
+                optimizer.step()
+                self.losses.append(loss.item())
+
+        def configure_optimizers(self):
+            return (
+                torch.optim.SGD(self.net[:2].parameters(), lr=1e-2),
+                torch.optim.SGD(self.net[3].parameters(), lr=1e-2),
+            )
+
+    plugin = AmpPrecision("O2", torch.bfloat16, num_losses=2, verbosity=0)
+    model, capture = TwoParts(), Capture()
+    trainer(plugin, [capture], max_epochs=1).fit(model, loader())
+    assert plugin.skipped_steps == 1 and capture.overflow.loss_id == 1
+    scalers = capture.plugin["amp"]
+    assert scalers["loss_scaler0"]["loss_scale"] == 65536.0
+    assert scalers["loss_scaler1"]["loss_scale"] == 32768.0
+    assert all(torch.isfinite(torch.tensor(model.losses)))
+
+
+def test_what_amp_refuses_is_refused_with_amps_message(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+    from types import SimpleNamespace
+
+    model = Regressor()
+    fully_shard(model.net)
+    model._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), strategy=None)
+    optimizer = torch.optim.AdamW(model.parameters())
+    plugin = AmpPrecision("O2", torch.bfloat16, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"sharded by fully_shard \(FSDP2\)"):
+        plugin.connect(model, [optimizer], [])
+    assert plugin.state_dict() == {}
+    plugin.teardown()  # what the Trainer does after a failed set-up: nothing to undo
+
+
+def test_arguments_are_checked_when_the_plugin_is_made():
+    with pytest.raises(ValueError, match="the letter O"):
+        AmpPrecision(opt_level="02")
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        AmpPrecision(dtype=torch.float32)
+    with pytest.raises(TypeError, match="lossscale is not an argument of amp.initialize"):
+        AmpPrecision(lossscale=128.0)
+    with pytest.raises(TypeError, match=r"LBFGS"):
+        plugin = AmpPrecision("O1", verbosity=0)
+        plugin._trainer_base = object
+        plugin.optimizer_step(torch.optim.LBFGS([torch.nn.Parameter(torch.ones(1))]), None, print)
+
+
+def test_pytorch_lightning_trainer_takes_the_same_plugin():
+    """The package `pytorch_lightning` (a second copy of Lightning 2 that `lightning` installs
+    beside itself) takes the same AmpPrecision object, and trains as amp by hand."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Classic(pl.LightningModule):
+        training_step = Regressor.training_step
+        forward = Regressor.forward
+        configure_optimizers = Regressor.configure_optimizers
+
+        def __init__(self):
+            super().__init__()
+            self.net, self.overflow_at, self.lr, self.schedule = Regressor().net, {1}, 1e-2, True
+            self.losses, self.seen = [], []
+
+    class Capture(pl.Callback):
+        def on_train_end(self, trainer, module):
+            self.weights = {k: v.clone() for k, v in module.net.state_dict().items()}
+            self.skipped = trainer.precision_plugin.skipped_steps
+
+    plugin, capture, model = AmpPrecision("O2", torch.bfloat16, verbosity=0), Capture(), Classic()
+    pl.Trainer(
+        accelerator="cpu",
+        max_steps=BATCHES,
+        plugins=[plugin],
+        callbacks=[capture],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(model, loader())
+    expected = amp_loop("O2", torch.bfloat16, BATCHES, overflow_at={1})
+    assert model.losses == expected["losses"] and capture.skipped == 1
+    assert_same_tensors(capture.weights, expected["weights"])
