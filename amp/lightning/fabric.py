@@ -28,6 +28,7 @@ def setup(
         optimizer.step()             # skipped after a gradient overflow
         fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})
     """
+    from . import flavours
     from .plugin import AmpPrecisionBehaviour
 
     precision = fabric.strategy.precision
@@ -48,6 +49,8 @@ def setup(
         precision.teardown()
         raise
     wrapped = result[0] if isinstance(result, tuple) else result
+    for optimizer in result[1 : 1 + len(optimizers)] if optimizers else ():
+        flavours.route_to_instance(optimizer)  # its zero_grad() must be amp's
     inner = getattr(wrapped, "_forward_module", None)  # the DDP wrapper, if Fabric made one
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         precision._ddp = inner

@@ -95,29 +95,35 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-# The optimizer methods amp replaces on the instance (amp/weights/optimizer.py), which a
-# LightningOptimizer would otherwise look up on the optimizer's class: zero_grad() would leave
-# amp's gradients and pending overflow flags in place, state_dict() would drop the O2 masters.
+# The optimizer methods amp replaces on the instance (amp/weights/optimizer.py). Lightning's
+# optimizer wrappers subclass the optimizer's class on the fly and reach the optimizer's instance
+# attributes only where no class defines the name: zero_grad() would leave amp's gradients and
+# pending overflow flags in place, a LightningOptimizer's state_dict() would drop the O2 masters.
 _INSTANCE_METHODS = ("zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
 
-def lightning_optimizers(flavour: Flavour, optimizers: list) -> list:
-    """LightningOptimizers around amp's optimizers that call amp's methods of each instance.
+def route_to_instance(wrapper: Any) -> Any:
+    """Make `wrapper` (a LightningOptimizer or _FabricOptimizer) call amp's methods of its
+    optimizer, where the wrapper class does not define the method itself."""
+    optimizer = unwrap_optimizer(wrapper)
+    wrappers = tuple(w for flavour in installed() for w in flavour.optimizer_wrappers)
+    defined = {
+        name for cls in type(wrapper).__mro__ if cls in wrappers for name in vars(cls)
+    }
+    for name in _INSTANCE_METHODS:
+        method = vars(optimizer).get(name)
+        if method is not None and name not in defined:
+            setattr(wrapper, name, method)
+    return wrapper
 
-    LightningOptimizer subclasses its optimizer's class on the fly and reaches the optimizer's
-    instance attributes only when the class has none of that name; the Trainer keeps a
-    LightningOptimizer handed to it (as from ``configure_optimizers``).
-    """
-    wrapped = []
-    for optimizer in optimizers:
-        optimizer = unwrap_optimizer(optimizer)
-        wrapper = flavour.lightning_optimizer(optimizer)
-        for name in _INSTANCE_METHODS:
-            method = vars(optimizer).get(name)
-            if method is not None:
-                setattr(wrapper, name, method)
-        wrapped.append(wrapper)
-    return wrapped
+
+def lightning_optimizers(flavour: Flavour, optimizers: list) -> list:
+    """LightningOptimizers around amp's optimizers that call amp's methods of each instance (the
+    Trainer keeps a LightningOptimizer handed to it, as from ``configure_optimizers``)."""
+    return [
+        route_to_instance(flavour.lightning_optimizer(unwrap_optimizer(optimizer)))
+        for optimizer in optimizers
+    ]
 
 
 def build_class(behaviour: type) -> type:

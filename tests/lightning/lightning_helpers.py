@@ -99,7 +99,17 @@ def trainer(plugin=None, callbacks=(), **kwargs):
     return L.Trainer(callbacks=list(callbacks), **options)
 
 
-def amp_loop(opt_level, dtype, steps, overflow_at=(), accumulate=1, lr=1e-2, clip=None, **kwargs):
+def amp_loop(
+    opt_level,
+    dtype,
+    steps,
+    overflow_at=(),
+    accumulate=1,
+    lr=1e-2,
+    clip=None,
+    cast_targets=True,
+    **kwargs,
+):
     """The same training written by hand with amp: what the plugin must reproduce exactly."""
     net = make_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
@@ -114,7 +124,8 @@ def amp_loop(opt_level, dtype, steps, overflow_at=(), accumulate=1, lr=1e-2, cli
                 rows = slice((step * accumulate + micro) * BATCH, (step * accumulate + micro + 1) * BATCH)
                 xb, yb = x[rows], y[rows]
                 if opt_level in ("O2", "O3"):
-                    xb, yb = xb.to(dtype), yb.to(dtype)  # the plugin's convert_input
+                    xb = xb.to(dtype)  # the plugin's convert_input: the Trainer's whole batch
+                    yb = yb.to(dtype) if cast_targets else yb  # Fabric's model inputs only
                 out = net(xb)
                 if step in overflow_at:
                     poison(out)
