@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml compat/apex/setup.cfg
-	$(BIN)/python -m pip install --quiet -e '.[test,demo]'
+	$(BIN)/python -m pip install --quiet -e '.[test,demo,lightning]'
 	$(BIN)/python -m pip install --quiet -e ./compat/apex
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
