@@ -19,8 +19,13 @@ import tempfile
 
 import torch
 
-# This file is named lightning.py: `import lightning` must find the package, not this script.
+# This file is named lightning.py: `import lightning` must find the package, not this script (run
+# as a script, its folder is sys.path[0]). Imported as `lightning` itself, because examples/ is on
+# sys.path (tests/test_examples.py puts it there), it hands over to the package: the import returns
+# what sys.modules holds once this file has run.
 _HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == "lightning":
+    del sys.modules[__name__]
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 try:
     import lightning.pytorch as L

@@ -127,3 +127,20 @@ def test_one_plugin_object_is_every_installed_lightnings_precision():
     assert isinstance(plugin, lightning_fabric.plugins.Precision)
     assert plugin.precision == "16-mixed"
     assert AmpPrecision("O3").precision == "bf16-true" and AmpPrecision("O0").precision == "32-true"
+
+
+def test_state_loaded_before_setup_is_applied_at_setup():
+    precision = AmpPrecision("O2", torch.float16, verbosity=0)
+    precision.load_state_dict(
+        {"amp": {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 7}}, "skipped_steps": 3}
+    )
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[precision])
+    net = make_net()
+    amp.lightning.setup(fabric, net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        state = precision.state_dict()
+        assert state["amp"]["loss_scaler0"]["loss_scale"] == 512.0
+        assert state["amp"]["loss_scaler0"]["unskipped"] == 7 and state["skipped_steps"] == 3
+    finally:
+        precision.teardown()
+    assert precision.state_dict() == {}

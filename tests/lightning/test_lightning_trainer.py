@@ -291,3 +291,11 @@ def test_pytorch_lightning_trainer_takes_the_same_plugin():
     expected = amp_loop("O2", torch.bfloat16, BATCHES, overflow_at={1})
     assert model.losses == expected["losses"] and capture.skipped == 1
     assert_same_tensors(capture.weights, expected["weights"])
+
+
+def test_log_puts_the_scale_and_the_skips_into_the_trainers_metrics():
+    plugin = AmpPrecision("O2", torch.bfloat16, log=True, verbosity=0)
+    run = trainer(plugin, max_steps=3)
+    run.fit(Regressor(overflow_at={1}), loader())
+    assert run.callback_metrics["amp/skipped_steps"].item() == 1.0
+    assert run.callback_metrics["amp/loss_scale"].item() == 32768.0
