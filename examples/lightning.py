@@ -31,7 +31,9 @@ try:
     import lightning.pytorch as L
     from lightning.fabric import Fabric
 except ImportError:  # pragma: no cover - the message is the point
-    sys.exit("This example needs Lightning: pip install 'amp[lightning]' (or pip install lightning).")
+    sys.exit(
+        "This example needs Lightning: pip install 'amp[lightning]' (or pip install lightning)."
+    )
 sys.path.insert(0, _HERE)
 from common import device_argument  # noqa: E402
 
@@ -53,7 +55,9 @@ def make_data(batches=3, batch=16, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batches * batch, 32, generator=generator)
     w = torch.randn(32, 1, generator=generator)
-    return torch.utils.data.TensorDataset(x, x @ w + 0.1 * torch.randn(len(x), 1, generator=generator))
+    return torch.utils.data.TensorDataset(
+        x, x @ w + 0.1 * torch.randn(len(x), 1, generator=generator)
+    )
 
 
 def make_net(seed=1):
@@ -89,7 +93,10 @@ class Regression(L.LightningModule):
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=2e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.97**step)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 class End(L.Callback):
@@ -172,11 +179,15 @@ def resume(args, data, folder):
 
 
 def fabric(args, data):
-    print(f"\nFabric, amp O2 bf16 through amp.lightning.setup, inf gradient at step {args.overflow_step}:")
+    print(
+        f"\nFabric, amp O2 bf16 through amp.lightning.setup, inf gradient at step {args.overflow_step}:"
+    )
     precision = AmpPrecision("O2", torch.bfloat16, verbosity=0)
     fabric = Fabric(accelerator=args.device, devices=1, plugins=[precision])
     net = make_net()
-    model, optimizer = amp.lightning.setup(fabric, net, torch.optim.AdamW(net.parameters(), lr=2e-2))
+    model, optimizer = amp.lightning.setup(
+        fabric, net, torch.optim.AdamW(net.parameters(), lr=2e-2)
+    )
     loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=16))
     losses = []
     try:

@@ -69,9 +69,7 @@ def _load(trainer_package: str, fabric_package: str) -> Optional[Flavour]:
 @functools.lru_cache(maxsize=None)
 def installed() -> Tuple[Flavour, ...]:
     """Every installed copy of Lightning 2, imported on the first call."""
-    found = tuple(
-        flavour for packages in _PACKAGES if (flavour := _load(*packages)) is not None
-    )
+    found = tuple(flavour for packages in _PACKAGES if (flavour := _load(*packages)) is not None)
     if not found:
         raise ImportError(INSTALL_HINT)
     return found
@@ -107,9 +105,7 @@ def route_to_instance(wrapper: Any) -> Any:
     optimizer, where the wrapper class does not define the method itself."""
     optimizer = unwrap_optimizer(wrapper)
     wrappers = tuple(w for flavour in installed() for w in flavour.optimizer_wrappers)
-    defined = {
-        name for cls in type(wrapper).__mro__ if cls in wrappers for name in vars(cls)
-    }
+    defined = {name for cls in type(wrapper).__mro__ if cls in wrappers for name in vars(cls)}
     for name in _INSTANCE_METHODS:
         method = vars(optimizer).get(name)
         if method is not None and name not in defined:
@@ -132,5 +128,9 @@ def build_class(behaviour: type) -> type:
     return type(
         "AmpPrecision",
         (behaviour, *bases),
-        {"__module__": "amp.lightning", "__qualname__": "AmpPrecision", "__doc__": behaviour.__doc__},
+        {
+            "__module__": "amp.lightning",
+            "__qualname__": "AmpPrecision",
+            "__doc__": behaviour.__doc__,
+        },
     )

@@ -10,7 +10,7 @@ Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before
 
 import contextlib
 import inspect
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -88,7 +88,7 @@ class AmpPrecisionBehaviour:
         self._model: Optional[torch.nn.Module] = None  # the module amp.initialize took
         self._optimizers: List[torch.optim.Optimizer] = []
         self._initialized = False
-        self._input_dtype: Optional[torch.dtype] = None  # O2/O3: the batch reaches the model so
+        self._input_dtype: Optional[torch.dtype] = None  # O2/O3: the model's dtype, for batches
         self._trainer_base: Optional[type] = None  # the Trainer's Precision class; None: Fabric
         self._ddp: Optional[_DDP] = None  # the DDP wrapper, whose no_sync() marks accumulation
         self._pending_state: Optional[Dict[str, Any]] = None  # loaded before initialize
@@ -126,7 +126,9 @@ class AmpPrecisionBehaviour:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
 
-    def connect(self, model: torch.nn.Module, optimizers: List[Any], lr_schedulers: List[Any]):
+    def connect(
+        self, model: torch.nn.Module, optimizers: List[Any], lr_schedulers: List[Any]
+    ) -> Tuple[torch.nn.Module, List[Any], List[Any]]:
         """The Trainer's hook: the model on its device (DDP-wrapped under DDP), its optimizers."""
         module = model.module if isinstance(model, _DDP) else model
         flavour = flavours.of_module(module)

@@ -79,7 +79,9 @@ def fabric_run(out):
         for step in range(4):
             optimizer.zero_grad()
             for micro in range(2):
-                rows = slice(((step * 2 + micro) * 2 + RANK) * 4, ((step * 2 + micro) * 2 + RANK + 1) * 4)
+                rows = slice(
+                    ((step * 2 + micro) * 2 + RANK) * 4, ((step * 2 + micro) * 2 + RANK + 1) * 4
+                )
                 with fabric.no_backward_sync(model, enabled=micro == 0):
                     output = model(x[rows])
                     if RANK == 1 and step == OVERFLOW_STEP:

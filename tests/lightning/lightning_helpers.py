@@ -66,7 +66,10 @@ class Regressor(L.LightningModule):
         if not self.schedule:
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 class Capture(L.Callback):
@@ -114,14 +117,18 @@ def amp_loop(
     net = make_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-    net, optimizer = amp.initialize(net, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0, **kwargs)
+    net, optimizer = amp.initialize(
+        net, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0, **kwargs
+    )
     x, y = data(max(BATCHES, steps * accumulate))  # the rows loader() gives
     losses = []
     try:
         for step in range(steps):
             optimizer.zero_grad()
             for micro in range(accumulate):
-                rows = slice((step * accumulate + micro) * BATCH, (step * accumulate + micro + 1) * BATCH)
+                rows = slice(
+                    (step * accumulate + micro) * BATCH, (step * accumulate + micro + 1) * BATCH
+                )
                 xb, yb = x[rows], y[rows]
                 if opt_level in ("O2", "O3"):
                     xb = xb.to(dtype)  # the plugin's convert_input: the Trainer's whole batch

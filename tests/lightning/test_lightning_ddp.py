@@ -1,49 +1,22 @@
 """AmpPrecision under DDP on two gloo CPU ranks (the Trainer and Fabric), one job of two processes."""
 
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-pytest.importorskip("lightning")  # installed by `make test` (the `lightning` extra)
+pytest.importorskip("lightning.pytorch")  # installed by `make test` (the `lightning` extra)
+
+from helpers.ranks import run_two_ranks  # noqa: E402
 
 HELPER = os.path.join(os.path.dirname(__file__), "lightning_ddp_rank.py")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both ranks' results of every scenario, from one two-process gloo job."""
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(
-        os.environ,
-        WORLD_SIZE="2",
-        NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-    )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, HELPER, str(out)],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    logs = [process.communicate(timeout=300)[0] for process in processes]
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-4000:]
+    run_two_ranks(HELPER, out, timeout=300)
     return {
         scenario: [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=True) for r in (0, 1)]
         for scenario in ("trainer", "fabric")

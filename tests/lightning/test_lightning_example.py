@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("lightning")  # installed by `make test` (the `lightning` extra)
+pytest.importorskip("lightning.pytorch")  # installed by `make test` (the `lightning` extra)
+
+from helpers import subprocess_env  # noqa: E402
 
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "examples", "lightning.py"
@@ -15,7 +17,11 @@ SCRIPT = os.path.join(
 
 def _run(*args):
     result = subprocess.run(
-        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300
+        [sys.executable, SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

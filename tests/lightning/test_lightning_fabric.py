@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("lightning")  # installed by `make test` (the `lightning` extra)
+pytest.importorskip("lightning.pytorch")  # installed by `make test` (the `lightning` extra)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
