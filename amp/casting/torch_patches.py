@@ -13,7 +13,7 @@ import logging
 
 from .. import lists
 from .._state import amp_state
-from . import torch_autocast
+from . import torch_autocast, torchscript
 from ..patching import PatchLedger
 from .wrappers import make_wrapper
 
@@ -109,7 +109,7 @@ class TorchPatches:
             )
             for namespace, name, kind, message, display in self._without_delegates(plan, overridden)
         ]
-        return wrapped + torch_autocast.patches()
+        return wrapped + torch_autocast.patches() + torchscript.patches()
 
     @staticmethod
     def _bindings(plan, registered):
