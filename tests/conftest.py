@@ -6,7 +6,7 @@ import torch
 
 import amp
 from amp import lists
-from amp.casting import torch_autocast
+from amp.casting import torch_autocast, torchscript
 from amp._state import INHERIT, amp_state
 from helpers import HAS_CUDA, REQUIRE_CUDA
 from helpers.models import make_model
@@ -40,6 +40,8 @@ def _patchable_attributes():
         namespace = lists.resolve_namespace(entry.namespace)
         found[(entry.namespace, entry.name)] = vars(namespace).get(entry.name)
     for namespace, name, _ in torch_autocast.patches():  # torch's autocast surface
+        found[(namespace.__name__, name)] = vars(namespace).get(name)
+    for namespace, name, _ in torchscript.patches():  # TorchScript's resolvers
         found[(namespace.__name__, name)] = vars(namespace).get(name)
     return found
 
