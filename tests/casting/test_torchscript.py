@@ -13,7 +13,9 @@ import amp
 from amp.casting import torchscript
 from helpers.models import make_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
 
 
 def _fresh_module():
