@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
 
 import amp
@@ -77,4 +78,51 @@ def test_mixed_fused_norms_under_autocast_return_the_autocast_dtype(mixed_class)
     x = torch.randn(4, 8)
     with amp.autocast(dtype=torch.bfloat16):
         assert mixed_class(8)(x).dtype is torch.bfloat16
+    amp.deinitialize()
+
+
+def test_apex_functional_layer_norm_api_is_torch_norms_with_apex_defaults():
+    """BERT and timm import apex's functional API and fall back silently when it is missing."""
+    from apex.normalization import fused_layer_norm as apex_ln
+
+    x = torch.randn(3, 8, requires_grad=True)
+    weight = torch.rand(8, requires_grad=True)
+    bias = torch.rand(8, requires_grad=True)
+    shape = torch.Size([8])
+    # BERT's BertLayerNorm.forward
+    out = apex_ln.FusedLayerNormAffineFunction.apply(x, weight, bias, shape, 1e-12)
+    assert torch.equal(out, F.layer_norm(x, (8,), weight, bias, 1e-12))
+    out.sum().backward()
+    assert weight.grad is not None and bias.grad is not None and x.grad is not None
+    expected = {
+        "fused_layer_norm_affine": F.layer_norm(x, (8,), weight, bias, 1e-6),
+        "fused_layer_norm": F.layer_norm(x, (8,), eps=1e-6),
+        "fused_rms_norm_affine": F.rms_norm(x, (8,), weight, 1e-6),
+        "fused_rms_norm": F.rms_norm(x, (8,), eps=1e-6),
+    }
+    found = {
+        "fused_layer_norm_affine": apex_ln.fused_layer_norm_affine(x, weight, bias, shape),
+        "fused_layer_norm": apex_ln.fused_layer_norm(x, 8),
+        "fused_rms_norm_affine": apex_ln.fused_rms_norm_affine(x, weight, [8]),
+        "fused_rms_norm": apex_ln.fused_rms_norm(x, shape),
+    }
+    for name, value in found.items():
+        assert torch.equal(value, expected[name]), name
+    assert torch.equal(
+        apex_ln.FusedRMSNormFunction.apply(x, shape, 1e-5), F.rms_norm(x, (8,), eps=1e-5)
+    )
+    half = x.detach().half()
+    mixed = apex_ln.mixed_dtype_fused_layer_norm_affine(half, weight, bias, shape)
+    assert mixed.dtype is torch.float32  # the weight's dtype, as apex's mixed-dtype kernel
+    torch.testing.assert_close(mixed, F.layer_norm(half.float(), (8,), weight, bias, 1e-6))
+    assert apex_ln.mixed_dtype_fused_rms_norm_affine(half, weight.half(), shape).dtype is (
+        torch.float16
+    )
+    with amp.autocast(dtype=torch.bfloat16):
+        assert apex_ln.fused_layer_norm_affine(x, weight, bias, shape).dtype is torch.bfloat16
+        assert apex_ln.fused_rms_norm(x, shape).dtype is torch.bfloat16
+        # The Function takes its tensors as given, as apex's kernel: not cast by autocast.
+        assert apex_ln.FusedLayerNormAffineFunction.apply(
+            half, weight, bias, shape, 1e-5
+        ).dtype is (torch.float16)
     amp.deinitialize()

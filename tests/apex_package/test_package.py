@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import amp
+from helpers import ROOT
 
 
 def test_apex_amp_is_the_amp_module_with_its_state():
@@ -128,3 +129,32 @@ def test_names_not_provided_import_and_refuse_naming_the_replacement():
     assert multi_tensor_applier.available is False  # code that checks it takes its torch path
     with pytest.raises(RuntimeError, match=r"amp_C.*torch\._foreach_mul_"):
         multi_tensor_applier(print, torch.zeros(1, dtype=torch.int), [[torch.ones(2)]], 2.0)
+
+
+def _not_provided_names():
+    """apex.<module>.<Name> of every class the package refuses to create (apex._not_provided)."""
+    import pkgutil
+
+    found = set()
+    for info in pkgutil.walk_packages(apex.__path__, "apex."):
+        if info.name.split(".")[-1].startswith("_"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            init = getattr(value, "__init__", None)
+            if isinstance(value, type) and "not_provided.<locals>" in getattr(
+                init, "__qualname__", ""
+            ):
+                found.add(name)
+    return found
+
+
+def test_the_compat_readme_lists_every_refusal():
+    readme = (ROOT / "compat" / "apex" / "README.md").read_text()
+    refused = _not_provided_names()
+    assert {"FP16_Optimizer", "FusedNovoGrad", "LossScaler"} <= refused
+    missing = sorted(
+        name for name in refused if f"`{name}`" not in readme and f".{name}`" not in readme
+    )
+    assert not missing, f"compat/apex/README.md does not list {missing}"
+    assert "multi_tensor_applier" in readme

@@ -136,3 +136,37 @@ def test_ddp_refuses_what_it_cannot_honour_and_toggles_allreduce(one_rank_group)
     assert model.require_backward_grad_sync is False
     model.enable_allreduce()
     assert model.require_backward_grad_sync is True
+
+
+# --- apex.parallel.distributed's flat helpers (two ranks: test_scripts.py) ------------------------
+
+
+def test_flat_dist_call_runs_the_call_once_per_type_on_a_flat_buffer(one_rank_group):
+    from apex.parallel.distributed import (
+        apply_flat_dist_call,
+        flat_dist_call,
+        flatten,
+        split_by_type,
+        unflatten,
+    )
+
+    tensors = [torch.ones(2), torch.ones(3).half(), torch.full((2, 2), 2.0), torch.ones(1).half()]
+    buckets = split_by_type(tensors)
+    assert list(buckets) == ["torch.FloatTensor", "torch.HalfTensor"]
+    assert [len(b) for b in buckets.values()] == [2, 2]
+    flat = flatten(buckets["torch.FloatTensor"])
+    assert flat.shape == (6,)
+    assert [t.shape for t in unflatten(flat, buckets["torch.FloatTensor"])] == [(2,), (2, 2)]
+    seen = []
+
+    def double(buffer, factor=2.0):
+        seen.append((buffer.dtype, buffer.numel()))
+        buffer.mul_(factor)
+
+    flat_dist_call(tensors, double)
+    assert seen == [(torch.float32, 6), (torch.float16, 4)]
+    assert torch.equal(tensors[2], torch.full((2, 2), 4.0)) and tensors[3].item() == 2.0
+    apply_flat_dist_call(tensors[:1], double, (0.5,))
+    assert torch.equal(tensors[0], torch.ones(2))
+    flat_dist_call(tensors, torch.distributed.all_reduce)  # the mean over one rank
+    assert torch.equal(tensors[2], torch.full((2, 2), 4.0))

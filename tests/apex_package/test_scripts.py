@@ -37,6 +37,16 @@ def test_apex_reducer_averages_over_ranks(ranks):
 
 
 @pytest.mark.slow
+def test_apex_flat_dist_call_averages_and_broadcasts_over_ranks(ranks):
+    for rank in ranks:
+        mean, half_mean, first, first_double = rank["flat_dist_call"]
+        assert torch.equal(mean, torch.full((2,), 0.5))
+        assert torch.equal(half_mean, torch.full((3,), 2.0, dtype=torch.float16))
+        assert torch.equal(first, torch.full((2,), 1.0))
+        assert torch.equal(first_double, torch.full((1,), 7.0, dtype=torch.float64))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(ddp_script.SCENARIOS))
 def test_apex_ddp_with_sync_batchnorm_matches_one_process(ranks, scenario):
     """Two ranks of B samples with apex's DDP and SyncBatchNorm train as one process on 2B:

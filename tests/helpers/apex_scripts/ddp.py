@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from apex import amp
 from apex.parallel import DistributedDataParallel as DDP
 from apex.parallel import Reducer, convert_syncbn_model
+from apex.parallel.distributed import flat_dist_call  # BERT's run_pretraining.py imports it so
 from helpers import models
 
 WORLD, BATCH, STEPS = 2, 8, 4
@@ -85,6 +86,12 @@ def main(out):
         gradients = [torch.full((3,), float(rank + 1)), torch.full((2,), 10.0 * rank)]
         Reducer(gradients).reduce()  # apex's explicit all-reduce: the mean over ranks
         found["reducer"] = gradients
+        # BERT's way: all-reduce (averaged) and broadcast tensors of mixed types, flattened.
+        mixed = [torch.full((2,), float(rank)), torch.full((3,), 4.0 * rank).half()]
+        flat_dist_call(mixed, dist.all_reduce)
+        broadcast = [torch.full((2,), float(rank + 1)), torch.full((1,), rank + 7.0).double()]
+        flat_dist_call(broadcast, dist.broadcast, (0,))
+        found["flat_dist_call"] = mixed + broadcast
     finally:
         dist.destroy_process_group()
     torch.save(found, os.path.join(out, f"rank{rank}.pt"))

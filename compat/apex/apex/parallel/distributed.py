@@ -13,12 +13,26 @@ apex's arguments, by what they do to results:
 Keyword arguments of torch's DistributedDataParallel (`find_unused_parameters`, ...) pass through.
 torch's DDP refuses SyncBatchNorm layers in a CPU module; this one lets apex's SyncBatchNorm
 through, which synchronises on CPU as well.
+
+apex's flat helpers (`flat_dist_call`, `apply_flat_dist_call`, `flatten`, `unflatten`,
+`split_by_type`) are importable from here, as from apex (see _flat.py).
 """
 
 import torch
 import torch.distributed as dist
 
+from ._flat import apply_flat_dist_call, flat_dist_call, flatten, split_by_type, unflatten
 from .sync_batchnorm import SyncBatchNorm
+
+__all__ = [
+    "DistributedDataParallel",
+    "Reducer",
+    "apply_flat_dist_call",
+    "flat_dist_call",
+    "flatten",
+    "split_by_type",
+    "unflatten",
+]
 
 
 class _Averaging:
