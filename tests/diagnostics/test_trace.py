@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import amp
+from helpers import ROOT
 from helpers.models import loss_of, make_model
 
 
@@ -60,3 +61,13 @@ def test_trace_of_a_training_step_shows_only_the_models_ops(opt_level):
             )
     finally:
         amp.deinitialize()
+
+
+def test_the_readme_trace_example_prints_what_the_readme_shows(capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Seeing what runs in which precision", 1)[1]
+    code, rest = section.split("```python\n", 1)[1].split("```\n", 1)
+    shown = rest.split("```\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    amp.deinitialize()
+    assert capsys.readouterr().out == shown
