@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -140,6 +141,11 @@ class autocast:
             raise TypeError(f"autocast(enabled=...) must be a bool; got {enabled!r}.")
         if device_type is not None:
             _check_device_type(device_type)
+        if enabled and device_type == "cuda" and not torch.cuda.is_available():
+            # As torch.autocast("cuda") warns and turns itself off: casting nothing silently
+            # would hide a script that meant to run on a GPU.
+            warnings.warn("CUDA is not available. Disabling autocast.", UserWarning, stacklevel=2)
+            enabled = False
         if dtype is None:
             # torch's form: the device's current autocast dtype; amp's: float16 (API.md).
             dtype = torch.get_autocast_dtype(device_type) if torch_form else torch.float16

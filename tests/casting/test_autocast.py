@@ -2,6 +2,7 @@
 regions and threads, RNNs, custom_fwd / custom_bwd."""
 
 import gc
+import warnings
 import threading
 import weakref
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 import amp
 from amp._state import amp_state
-from helpers import DTYPES
+from helpers import DTYPES, HAS_CUDA
 from helpers.models import loss_of, make_model
 
 LOW = pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -111,6 +112,7 @@ def test_banned_function_explains_what_to_use(dtype):
             F.binary_cross_entropy(p.float(), p.float())
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # a CUDA region, CPU only
 @LOW
 def test_device_type_limits_casting(dtype):
     x = torch.randn(4, 4)
@@ -118,6 +120,25 @@ def test_device_type_limits_casting(dtype):
         assert torch.mm(x, x).dtype is torch.float32  # a CPU tensor is left alone
     with amp.autocast(dtype=dtype, device_type="cpu"):
         assert torch.mm(x, x).dtype is dtype
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="what a machine without CUDA does")
+def test_a_cuda_region_without_cuda_warns_and_turns_itself_off_as_torchs():
+    with pytest.warns(UserWarning, match="CUDA is not available") as torchs:
+        torch.autocast("cuda", dtype=torch.float16)
+    with pytest.warns(UserWarning, match=r"^CUDA is not available\. Disabling autocast\.$") as amps:
+        region = amp.autocast("cuda", dtype=torch.float16)
+    assert amps[0].category is torchs[0].category and amps[0].filename == __file__
+    with region:
+        # torch's readers say what they say in torch's disabled region
+        assert not torch.is_autocast_enabled("cuda")
+        assert torch.get_autocast_dtype("cuda") is torch.float16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.autocast("cuda", enabled=False)  # torch says nothing for these either
+        amp.autocast("cpu")
+        amp.autocast()
+    amp.deinitialize()
 
 
 def test_containers_of_tensors_are_cast():

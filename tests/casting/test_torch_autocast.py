@@ -52,6 +52,7 @@ def test_torch_reports_amps_state(mode, dtype):
     assert not torch.is_autocast_enabled("cpu") and not torch._C._is_any_autocast_enabled()
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # a CUDA region, CPU only
 def test_region_options_are_reported_per_device():
     with amp.autocast(dtype=torch.bfloat16, device_type="cpu", cache_enabled=False):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
@@ -359,6 +360,7 @@ def test_rnns_take_low_precision_inputs(mode, dtype):
 # -- call forms -----------------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # a CUDA region, CPU only
 def test_torch_call_forms():
     a = torch.randn(4, 4)
     with amp.autocast("cpu", dtype=torch.bfloat16):
@@ -598,6 +600,7 @@ def test_o1_inside_a_torch_region_opened_before_amp_is_refused():
     assert not amp_state.initialized and torch.equal(model.weight, weight)
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # a CUDA region, CPU only
 def test_readers_fall_back_to_torchs_state_where_amp_casts_nothing():
     amp.deinitialize()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own region on CPU
