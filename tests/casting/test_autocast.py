@@ -2,8 +2,8 @@
 regions and threads, RNNs, custom_fwd / custom_bwd."""
 
 import gc
-import warnings
 import threading
+import warnings
 import weakref
 
 import pytest
