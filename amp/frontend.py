@@ -67,9 +67,9 @@ def _parameter_names(models):
     return names
 
 
-def _check_models_and_optimizers(models, optimizers):
+def _check_models_and_optimizers(models, optimizers, properties):
     for index, model in enumerate(models):
-        model_module.check_model(model, index)
+        model_module.check_model(model, index, properties)
     if len({id(m) for m in models}) != len(models):
         raise ValueError("amp.initialize: the same model appears twice in models.")
     if len({id(o) for o in optimizers}) != len(optimizers):
@@ -215,7 +215,7 @@ def initialize(
             "before amp was first used: torch's own autocast would cast on top of amp's. Call "
             "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
         )
-    _check_models_and_optimizers(model_list, optimizer_list)
+    _check_models_and_optimizers(model_list, optimizer_list, properties)
     if properties.cast_model_type or cast_model_outputs is not None:
         for index, model in enumerate(model_list):
             model_module.check_hookable(model, index, properties.opt_level)

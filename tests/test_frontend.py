@@ -161,11 +161,26 @@ def test_parallel_wrapped_model_is_refused(wrapper):
         amp.initialize(wrapper(model), optimizer, verbosity=0)
 
 
-def test_low_precision_model_is_refused():
+@pytest.mark.parametrize(
+    "opt_level, dtype, says",
+    [
+        ("O0", None, "O0 trains it in FP32"),
+        ("O1", None, "O1 keeps it in FP32 and runs the listed ops in low precision"),
+        ("O2", None, "O2 casts it to torch.float16 for you"),
+        ("O3", torch.bfloat16, "O3 casts it to torch.bfloat16 for you"),
+    ],
+    ids=["O0", "O1", "O2", "O3-bf16"],
+)
+def test_low_precision_model_is_refused_saying_what_the_level_does(opt_level, dtype, says):
     model, optimizer = make_pair()
     model[0].half()
     _initialize_error(
-        model, optimizer, RuntimeError, r"do not need to call \.half\(\)", opt_level="O2"
+        model,
+        optimizer,
+        RuntimeError,
+        r"do not need to call \.half\(\)(.|\n)*: " + says + r"\.$",
+        opt_level=opt_level,
+        dtype=dtype,
     )
 
 

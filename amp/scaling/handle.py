@@ -95,7 +95,7 @@ class _ScaleLoss:
     def __enter__(self):
         if not amp_state.initialized:
             raise RuntimeError(
-                "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+                "Invoked `with amp.scale_loss`, but internal Amp state has not been initialized.  "
                 "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be "
                 "called before `with amp.scale_loss`."
             )

@@ -297,8 +297,13 @@ def check_state(key, state, scaler=None):
     if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:
         raise ValueError(
             f"amp.load_state_dict: {key!r} has loss scale {scale}, but this run uses the static "
-            f"loss scale {scaler._init_scale}, which a checkpoint never replaces (it may come "
-            "from a dynamic run). To continue with the checkpoint's scale, call "
+            f"loss scale {scaler._init_scale}, which a checkpoint never replaces ("
+            + (
+                "the checkpoint comes from a static run with another scale"
+                if dynamic is False
+                else "the checkpoint does not say whether its scaler was static or dynamic"
+            )
+            + "). To continue with the checkpoint's scale, call "
             f"amp.initialize(..., loss_scale='dynamic') or loss_scale={scale}; or leave the amp "
             "state out of the load."
         )

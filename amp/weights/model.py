@@ -26,8 +26,9 @@ _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 _PARALLEL_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
 
-def check_model(model, index):
-    """Raise apex's errors for a model amp cannot take; modifies nothing."""
+def check_model(model, index, properties=None):
+    """Raise apex's errors for a model amp cannot take (worded for `properties`' opt level);
+    modifies nothing."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             "amp.initialize: models must be a torch.nn.Module or a list of them; "
@@ -46,8 +47,19 @@ def check_model(model, index):
                     f"Found {kind} {name} with type {tensor.dtype}, expected torch.float32.\n"
                     "When using amp.initialize, you do not need to call .half() or "
                     ".to(torch.bfloat16) on your model\nbefore passing it, no matter what "
-                    "optimization level you choose: O2 and O3 cast it for you."
+                    f"optimization level you choose: {_what_the_level_does(properties)}."
                 )
+
+
+def _what_the_level_does(properties):
+    if properties is None:
+        return "O2 and O3 cast it for you"
+    level, cast = properties.opt_level, properties.cast_model_type
+    if cast in LOW_PRECISION:
+        return f"{level} casts it to {cast} for you"
+    if properties.patch_torch_functions:
+        return f"{level} keeps it in FP32 and runs the listed ops in low precision"
+    return f"{level} trains it in FP32"
 
 
 def check_hookable(model, index, opt_level):

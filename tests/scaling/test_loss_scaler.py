@@ -281,6 +281,23 @@ def test_a_dynamic_checkpoint_into_a_static_scale_set_at_o1_is_refused():
     amp.deinitialize()
 
 
+@pytest.mark.parametrize("kind", [False, None])
+def test_a_refused_static_scale_says_where_the_checkpoint_comes_from(kind):
+    _linear_at_o1(loss_scale=128.0)
+    entry = {"loss_scale": 64.0, "unskipped": 0}
+    if kind is not None:
+        entry["dynamic"] = kind  # amp's static checkpoint; without the key, apex's (kind unknown)
+    with pytest.raises(ValueError, match="static loss scale 128.0") as refused:
+        amp.load_state_dict({"loss_scaler0": entry})
+    amp.deinitialize()
+    message = str(refused.value)
+    assert "dynamic run" not in message
+    if kind is False:
+        assert "comes from a static run with another scale" in message
+    else:
+        assert "does not say whether its scaler was static or dynamic" in message
+
+
 def test_a_dynamic_checkpoint_into_o3s_static_scaler_is_refused_and_changes_nothing(trained):
     source, source_optimizer = trained("O1")
     saved = amp.state_dict()

@@ -333,6 +333,15 @@ def test_scale_loss_errors():
         amp.deinitialize()
 
 
+def test_scale_loss_before_initialize_says_so_with_matched_quotes():
+    with pytest.raises(RuntimeError) as refused:
+        with amp.scale_loss(torch.ones(()), torch.optim.SGD([torch.ones(1)], lr=0.1)):
+            pass
+    message = str(refused.value)
+    assert message.startswith("Invoked `with amp.scale_loss`, but")
+    assert message.count("`") % 2 == 0 and "'" not in message.split(",")[0]
+
+
 def test_an_empty_optimizer_list_is_refused_and_changes_nothing(trained):
     model, optimizer = trained("O1")
     before = everything(model, optimizer)
