@@ -12,7 +12,6 @@ off its loss scale together: amp reduces the overflow flag across ranks.
     torchrun --nproc_per_node=2 examples/ddp.py --device cuda          # one GPU per process
 """
 
-import argparse
 import os
 import sys
 
@@ -25,18 +24,20 @@ from common import (  # noqa: E402
     device_argument,
     distributed_arguments,
     init_distributed,
+    opt_level_argument,
     progress,
     report_rank,
 )
+from common import parser as example_parser  # noqa: E402
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     device_argument(parser)
-    parser.add_argument("--opt-level", default="O1", choices=["O0", "O1", "O2", "O3"])
+    opt_level_argument(parser, "O1")
     distributed_arguments(parser)
     args = parser.parse_args(argv)
     rank, world, device = init_distributed(args.device)

@@ -1,4 +1,8 @@
-"""The demo's figure: six panels a newcomer reads without the code (see demo.py)."""
+"""The demo's figure: six panels a newcomer reads without the code (see demo.py).
+
+demo.py draws it (examples/out/demo.png by default); this module does nothing on its own. Run
+`python examples/demo.py` (`--help` for its options).
+"""
 
 import textwrap
 
@@ -197,3 +201,14 @@ def plot(results, scaler_run, table, hardware_lines, path, epochs, scaler_start,
     )
     figure.savefig(path, dpi=90)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from common import parser
+
+    parser(__doc__).parse_args()
+    print(__doc__.strip(), file=sys.stderr)

@@ -17,7 +17,6 @@ shard) makes every rank skip the step and back off together.
     torchrun --nproc_per_node=2 examples/fsdp2.py --device cuda          # one GPU per process
 """
 
-import argparse
 import os
 import sys
 
@@ -33,6 +32,7 @@ from common import (  # noqa: E402
     progress,
     report_rank,
 )
+from common import parser as example_parser  # noqa: E402
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
@@ -56,9 +56,14 @@ def shard(model, recipe, dtype):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     device_argument(parser)
-    parser.add_argument("--recipe", default="O1", choices=["O1", "scaler"])
+    parser.add_argument(
+        "--recipe",
+        default="O1",
+        choices=["O1", "scaler"],
+        help="O1: amp.initialize at O1; scaler: FSDP2's MixedPrecisionPolicy with amp.GradScaler",
+    )
     distributed_arguments(parser)
     args = parser.parse_args(argv)
     rank, world, device = init_distributed(args.device)

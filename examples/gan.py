@@ -9,7 +9,6 @@ and how well the discriminator still tells real from generated images.
     python examples/gan.py --opt-level O2 --device cuda --steps 2000
 """
 
-import argparse
 import os
 import sys
 
@@ -17,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress  # noqa: E402
+from common import device_argument, dtype_argument, opt_level_argument, progress  # noqa: E402
+from common import parser as example_parser  # noqa: E402
 from demo import load_digits  # noqa: E402
 
 import amp  # noqa: E402
@@ -106,11 +106,11 @@ def train(opt_level="O1", dtype="float16", device="cpu", steps=400, batch=64, sh
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     device_argument(parser)
-    parser.add_argument("--opt-level", default="O1", choices=["O0", "O1", "O2", "O3"])
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--steps", type=int, default=400)
+    opt_level_argument(parser, "O1")
+    dtype_argument(parser)
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
     args = parser.parse_args(argv)
     result = train(args.opt_level, args.dtype, args.device, args.steps)
     for key, value in result.items():

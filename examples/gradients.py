@@ -13,7 +13,6 @@ Each trains a classifier on scikit-learn's digits (shipped with it) and prints i
     python examples/gradients.py --technique penalty --dtype bfloat16
 """
 
-import argparse
 import os
 import sys
 
@@ -21,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress  # noqa: E402
+from common import device_argument, dtype_argument, progress  # noqa: E402
+from common import parser as example_parser  # noqa: E402
 from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
@@ -101,11 +101,17 @@ def run(technique, dtype="float16", device="cpu", steps=200):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     device_argument(parser)
-    parser.add_argument("--technique", choices=sorted(TECHNIQUES), default="clipping")
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--technique",
+        choices=sorted(TECHNIQUES),
+        default="clipping",
+        help="clipping: amp.master_params; accumulation: delay_unscale; penalty: a gradient "
+        "penalty through autograd.grad",
+    )
+    dtype_argument(parser)
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
     args = parser.parse_args(argv)
     accuracy = run(args.technique, args.dtype, args.device, args.steps)
     print(f"{args.technique}: test accuracy {accuracy:.4f}")

@@ -8,7 +8,6 @@ held-out loss (nats per character) at the end.
     python examples/transformer_lm.py --opt-level O2 --dtype float16 --device cuda --steps 2000
 """
 
-import argparse
 import math
 import os
 import sys
@@ -17,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_argument, progress  # noqa: E402
+from common import device_argument, dtype_argument, opt_level_argument, progress  # noqa: E402
+from common import parser as example_parser  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -134,15 +134,15 @@ def train(
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     device_argument(parser)
-    parser.add_argument("--opt-level", default="O1", choices=["O0", "O1", "O2", "O3"])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
+    opt_level_argument(parser, "O1")
+    dtype_argument(parser, "bfloat16")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--length", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--width", type=int, default=128, help="the model's width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
     args = parser.parse_args(argv)
     result = train(
         args.opt_level,

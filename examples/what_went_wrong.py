@@ -13,7 +13,6 @@ down to nothing, and say only "Gradient overflow"; amp instead
     python examples/what_went_wrong.py --device cuda --steps 5
 """
 
-import argparse
 import logging
 import os
 import sys
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import device_argument  # noqa: E402
+from common import parser as example_parser  # noqa: E402
 
 import amp  # noqa: E402
 
@@ -80,9 +80,9 @@ def train(model, device, steps, fp32_modules=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     device_argument(parser)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="steps of each training run")
     args = parser.parse_args(argv)
 
     # amp's skip messages go to the "amp" logger; show them (not its set-up report) on stdout.

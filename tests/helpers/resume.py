@@ -109,11 +109,11 @@ def train_example(opt_level, dtype, steps, save_at=None, checkpoint=None, resume
     sys.path.insert(0, str(ROOT / "examples"))
     import checkpoint as example
 
-    state = example.train(
+    result = example.train(
         opt_level, str(dtype).split(".")[-1], "cpu", steps, load=resume, save=checkpoint,
         save_at=save_at,
     )
-    return {"state": state}
+    return {"state": result["weights"], "losses": result["losses"]}
 
 
 SCRIPTS = {

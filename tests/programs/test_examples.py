@@ -1,6 +1,9 @@
 """Every example runs to completion with tiny settings; the demo's opt levels converge alike.
 examples/checkpoint.py's resume is checked in tests/programs/test_resume.py."""
 
+import argparse
+import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from helpers.ranks import free_port
 EXAMPLES = str(ROOT / "examples")
 sys.path.insert(0, EXAMPLES)
 
+import checkpoint  # noqa: E402
 import demo  # noqa: E402
 import gan  # noqa: E402
 import gradients  # noqa: E402
@@ -32,13 +36,52 @@ SCRIPTS = [
 ]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SCRIPTS + ["common.py", "demo_plot.py"])
 def test_every_example_has_help(script):
     result = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, script), "--help"], capture_output=True, text=True
+        [sys.executable, os.path.join(EXAMPLES, script), "--help"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
     )
     assert result.returncode == 0, result.stderr
-    assert "--device" in result.stdout
+    assert result.stdout.startswith("usage: ")
+    with open(os.path.join(EXAMPLES, script)) as source:
+        first_line = ast.get_docstring(ast.parse(source.read())).splitlines()[0]
+    assert first_line in result.stdout  # what the script is, and (for scripts) how to run it
+    if script in SCRIPTS:
+        assert "--device" in result.stdout
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parser_of(script, monkeypatch):
+    """The argparse parser that `script`'s main() builds (stopped before it parses)."""
+    spec = importlib.util.spec_from_file_location(f"example_{script[:-3]}", f"{EXAMPLES}/{script}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def stop(parser, *args, **kwargs):
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(_Parsed) as parsed:
+        module.main([])
+    return parsed.value.args[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_says_what_it_does_and_its_default(script, monkeypatch):
+    parser = _parser_of(script, monkeypatch)
+    text = parser.format_help()
+    options = [a for a in parser._actions if a.help is not argparse.SUPPRESS and a.dest != "help"]
+    assert options
+    for action in options:
+        assert action.help and action.help.strip(), action.option_strings
+    # Every option with a default shows it (an option without one, such as --out, shows none).
+    assert text.count("(default:") == sum(1 for a in options if a.default is not None), text
 
 
 def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
@@ -54,7 +97,7 @@ def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     ]
     printed = capsys.readouterr().out
     assert printed.startswith("cpu (")  # what this CPU does with float16 and bfloat16, first
-    assert "Measured here: a 256x256 matmul takes float32" in printed
+    assert "Timed here, a 256x256 matmul: float32" in printed
     assert all(word in printed for word in ("accuracy", "vs O0", "ms per step", "skipped"))
     assert "torch.nn.functional.linear" in printed and "ran in" in printed  # O1's amp.trace()
     # The scaler at work: from 2**24 it backs off on overflow, then grows after clean steps.
@@ -65,6 +108,50 @@ def test_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert scaler_run["backoffs"] and scaler_run["growths"]
     assert scaler_run["skipped"] == len(scaler_run["backoffs"])
     assert (tmp_path / "demo.png").stat().st_size > 50_000
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_demo_says_what_the_hardware_does_and_reports_timing_as_a_figure(monkeypatch, busy):
+    """The speed statements come from the hardware facts; a timing blurred by load on the machine
+    (the emulated matmul as fast as float32) is reported as such, never contradicting them."""
+    from amp import hardware
+
+    monkeypatch.setattr(hardware, "support", lambda device: hardware.cpu_support({}))
+    times = {torch.float32: 25.0 if busy else 0.3, torch.float16: 25.1, torch.bfloat16: 25.6}
+    monkeypatch.setattr(demo, "measure_matmul", lambda device, dtypes: (256, times))
+    lines = demo.explain_hardware("cpu", [torch.float16, torch.bfloat16])
+    assert "slower than float32 itself" in lines[0]
+    assert lines[1].startswith("Timed here, a 256x256 matmul: float32")
+    assert ("disagree with the hardware above: this machine is busy" in lines[1]) is busy
+    assert lines[2].startswith("So O1-O3 in float16 and bfloat16 step slower than O0")
+    fast = hardware.cpu_support({"amx_bf16": True})  # native bfloat16: faster than float32
+    assert "disagree" not in demo.timing_line(256, {torch.float32: 1.0, torch.bfloat16: 0.4}, fast)
+    assert "disagree" in demo.timing_line(256, {torch.float32: 1.0, torch.bfloat16: 1.3}, fast)
+
+
+def test_checkpoint_prints_the_losses_and_what_the_checkpoint_holds(tmp_path):
+    """What examples/checkpoint.py prints (its fresh-process resume: tests/programs/test_resume.py)."""
+    path = str(tmp_path / "checkpoint.pt")
+    straight = checkpoint.train("O2", "float16", "cpu", 6)
+    first = checkpoint.train("O2", "float16", "cpu", 3, save=path, save_at=3)
+    resumed = checkpoint.train("O2", "float16", "cpu", 6, load=path)
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    held = "\n".join(checkpoint.describe(path))
+    for words in (
+        "checkpoint.pt (",
+        "after step 3 holds:",
+        "model.state_dict(): 16 tensors (float32, int64)",
+        "AdamW's state (exp_avg, exp_avg_sq, step)",
+        "amp_master_params: the FP32 master weights of 6 parameters",
+        "amp.state_dict()['loss_scaler0']: {'loss_scale': ",
+        "step       3",
+    ):
+        assert words in held, words
+    table = checkpoint.loss_table(straight["losses"], resumed["losses"], 3)
+    assert table[0] == "Losses:" and table[1].split() == ["step", "1", "2", "3", "4", "5", "6"]
+    assert table[2].split()[1:-1] == [f"{loss:.4f}" for loss in straight["losses"]]
+    assert table[3].split()[1:4] == [f"{loss:.4f}" for loss in resumed["losses"]]
+    assert table[3].endswith("resumed in a fresh process")
 
 
 def test_demo_precision_table():
