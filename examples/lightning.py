@@ -10,7 +10,6 @@ trains the same way through `amp.lightning.setup`.
     python examples/lightning.py --steps 20 --overflow-step -1
 """
 
-import argparse
 import copy
 import logging
 import os
@@ -36,6 +35,7 @@ except ImportError:  # pragma: no cover - the message is the point
     )
 sys.path.insert(0, _HERE)
 from common import device_argument  # noqa: E402
+from common import parser as example_parser  # noqa: E402
 
 import amp  # noqa: E402
 import amp.lightning  # noqa: E402
@@ -222,9 +222,7 @@ def _same(a, b):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = example_parser(__doc__)
     device_argument(parser)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     parser.add_argument("--overflow-step", type=int, default=3, help="step with an inf gradient")

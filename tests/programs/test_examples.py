@@ -33,11 +33,18 @@ SCRIPTS = [
     "ddp.py",
     "fsdp2.py",
     "what_went_wrong.py",
+    "lightning.py",
 ]
+
+
+def _needs_lightning(script):
+    if script == "lightning.py":
+        pytest.importorskip("lightning.pytorch")  # the `lightning` extra, installed by make test
 
 
 @pytest.mark.parametrize("script", SCRIPTS + ["common.py", "demo_plot.py"])
 def test_every_example_has_help(script):
+    _needs_lightning(script)
     result = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, script), "--help"],
         capture_output=True,
@@ -74,6 +81,7 @@ def _parser_of(script, monkeypatch):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_option_says_what_it_does_and_its_default(script, monkeypatch):
+    _needs_lightning(script)
     parser = _parser_of(script, monkeypatch)
     text = parser.format_help()
     options = [a for a in parser._actions if a.help is not argparse.SUPPRESS and a.dest != "help"]
