@@ -34,7 +34,8 @@ test-all: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 test-quick: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/programs --ignore=tests/kernels
+	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/programs --ignore=tests/kernels \
+		--ignore=tests/lightning
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py
