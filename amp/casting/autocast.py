@@ -112,7 +112,8 @@ class autocast:
             ``torch.float16`` or ``torch.bfloat16``.
         cache_enabled (bool, optional, default=True): reuse weight casts within the region.
         device_type (str, optional, default=None): ``"cpu"`` or ``"cuda"`` to cast only tensors
-            on that device; None casts tensors on every device.
+            on that device; None casts tensors on every device. ``"cuda"`` on a machine without
+            CUDA warns and turns the region off, as torch.autocast does.
 
     Example::
 
