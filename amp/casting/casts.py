@@ -268,7 +268,6 @@ class WeightCastCache:
         self.filled = False
 
 
-
 def cast_tree(value, dtype, device_filter=None):
     """`value` with every eligible tensor inside it cast to `dtype`: floating, not float64 (the
     rule for model inputs/outputs and custom_fwd), and on a device `device_filter` accepts.

@@ -265,7 +265,9 @@ def make_wrapper(original, kind, name, message=None):
                         else:
                             continue
                         if _is_dynamo_compiling() or _compiler._is_compiling_flag:
-                            return compiled_call(original, kind, name, message, policy, args, kwargs)
+                            return compiled_call(
+                                original, kind, name, message, policy, args, kwargs
+                            )
                         try:
                             inner = convert(value)
                         except ExplicitDtype:

@@ -70,7 +70,7 @@ def test_a_call_with_keyword_arguments_takes_the_inlined_path(region):
             results = [call() for call in calls]
     finally:
         amp.deinitialize()
-    for own, total, names in counted:
+    for own, _total, names in counted:
         assert own == 1, names  # amp_wrapper
     assert counted[0][1] == 4, counted[0]  # the lambda, the wrapper, values(), sum
     assert counted[1][1] == 8, counted[1]  # ... three casts, and len() to split them back
