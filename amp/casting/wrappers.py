@@ -209,9 +209,7 @@ def make_wrapper(original, kind, name, message=None):
                 cast, sources, on_cuda, cache, entries, convert = fast
                 new_values = None
                 compiling = None
-                index = -1
-                for value in values:
-                    index += 1
+                for index, value in enumerate(values):
                     # type(), not __class__: Dynamo answers `x.__class__ in a_set` wrongly for
                     # constants (and fails its own guard on it); type() is no call either.
                     value_class = type(value)
