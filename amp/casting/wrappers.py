@@ -19,6 +19,7 @@ from .casts import CASTABLE, LOW_PRECISION, PLAIN_ARGUMENTS, SEQUENCES, Explicit
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+_TENSOR_CLASSES = frozenset((_Tensor, _Parameter))  # what model code passes, tested first
 _dtype = torch.dtype
 _float32 = torch.float32
 _data_ptr = torch._C.TensorBase.data_ptr
@@ -211,51 +212,13 @@ def make_wrapper(original, kind, name, message=None):
                 compiling = None
                 for index, value in enumerate(values):
                     # type(), not __class__: Dynamo answers `x.__class__ in a_set` wrongly for
-                    # constants (and fails its own guard on it); type() is no call either.
+                    # constants (and fails its own guard on it); type() is no call either. The
+                    # usual classes first, isinstance (a call) last: sizes and strides are tuples.
                     value_class = type(value)
-                    if value_class in PLAIN_ARGUMENTS:
+                    if value_class in _TENSOR_CLASSES:
+                        pass
+                    elif value_class in PLAIN_ARGUMENTS:
                         continue
-                    if (
-                        value_class is _Parameter
-                        or value_class is _Tensor
-                        or isinstance(value, _Tensor)
-                    ):
-                        dtype = value.dtype
-                        if dtype not in sources:
-                            continue
-                        if on_cuda is not None and value.is_cuda is not on_cuda:
-                            continue
-                        if new_values is None:
-                            new_values = list(values)
-                        if (
-                            entries is None
-                            or dtype is not _float32
-                            or not value.requires_grad
-                            or not value.is_leaf
-                        ):
-                            new_values[index] = cast(value)
-                            continue
-                        if compiling is None:
-                            compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
-                        if compiling:
-                            new_values[index] = cast(value)
-                            continue
-                        key = value._cdata  # no call, unlike id() and dict.get
-                        if key in entries:
-                            entry = entries[key]
-                            if (
-                                entry[1] == value._version
-                                and entry[2] == _data_ptr(value)
-                                and (entry[3].requires_grad or not _is_grad_enabled())
-                            ):
-                                new_values[index] = entry[3]
-                                continue
-                        result = new_values[index] = cast(value)
-                        # A cast that requires grad was made in grad mode: kept for every later
-                        # use. Reading that off the cast spares a grad-mode call per weight.
-                        if result.requires_grad or not _is_inference_mode_enabled():
-                            entries[key] = (value, value._version, _data_ptr(value), result)
-                            cache.filled = True
                     elif value_class in SEQUENCES:
                         for item in value:  # sizes and the like: nothing to cast, no call
                             if type(item) not in PLAIN_ARGUMENTS:
@@ -274,8 +237,47 @@ def make_wrapper(original, kind, name, message=None):
                             if new_values is None:
                                 new_values = list(values)
                             new_values[index] = value_class(inner)
+                        continue
                     elif value_class is _dtype:
                         return original(*args, **kwargs)  # the call names its dtype: as asked
+                    elif not isinstance(value, _Tensor):
+                        continue
+                    dtype = value.dtype
+                    if dtype not in sources:
+                        continue
+                    if on_cuda is not None and value.is_cuda is not on_cuda:
+                        continue
+                    if new_values is None:
+                        new_values = list(values)
+                    if (
+                        entries is None
+                        or dtype is not _float32
+                        or not value.requires_grad
+                        or not value.is_leaf
+                    ):
+                        new_values[index] = cast(value)
+                        continue
+                    if compiling is None:
+                        compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
+                    if compiling:
+                        new_values[index] = cast(value)
+                        continue
+                    key = value._cdata  # no call, unlike id() and dict.get
+                    if key in entries:
+                        entry = entries[key]
+                        if (
+                            entry[1] == value._version
+                            and entry[2] == _data_ptr(value)
+                            and (entry[3].requires_grad or not _is_grad_enabled())
+                        ):
+                            new_values[index] = entry[3]
+                            continue
+                    result = new_values[index] = cast(value)
+                    # A cast that requires grad was made in grad mode: kept for every later use.
+                    # Reading that off the cast spares a grad-mode call per weight.
+                    if result.requires_grad or not _is_inference_mode_enabled():
+                        entries[key] = (value, value._version, _data_ptr(value), result)
+                        cache.filled = True
                 if new_values is None:
                     return original(*args, **kwargs)
                 if not kwargs:
