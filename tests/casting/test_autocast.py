@@ -393,7 +393,6 @@ def test_packed_sequences():
     assert x.grad.dtype is torch.float32
 
 
-
 # -- custom_fwd / custom_bwd ---------------------------------------------------------------------------
 
 
@@ -442,5 +441,3 @@ def test_custom_fwd_outside_a_region_does_nothing():
     function = _function(torch.float32)
     a = torch.randn(3, 3, dtype=torch.float16, requires_grad=True)
     assert function.apply(a, {"b": torch.ones(3, 3, dtype=torch.float16)}).dtype is torch.float16
-
-

@@ -6,6 +6,7 @@ import torch
 
 import amp
 from amp._state import amp_state
+from helpers import casting
 from helpers.profiling import CastCounter
 from helpers.profiling import profile_calls as _profile_calls
 
@@ -21,20 +22,13 @@ def test_a_patched_call_is_one_python_call_of_amp(region):
     layer = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
     F = torch.nn.functional  # read at call time: amp patches F.linear when casting starts
-    if region == "O1":
-        layer = amp.initialize(layer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
-        context = torch.enable_grad()
-    else:
-        context = amp.autocast(dtype=torch.bfloat16)
     weight, bias = layer.weight, layer.bias
-    try:
-        with context:
-            amp_state.cast_cache.clear()
-            miss = _profile_calls(lambda: F.linear(x, weight, bias))
-            hit = _profile_calls(lambda: F.linear(x, weight, bias))
-            out = F.linear(x, weight, bias)
-    finally:
-        amp.deinitialize()
+    with casting(region, torch.bfloat16, layer):
+        amp_state.cast_cache.clear()
+        miss = _profile_calls(lambda: F.linear(x, weight, bias))
+        hit = _profile_calls(lambda: F.linear(x, weight, bias))
+        out = F.linear(x, weight, bias)
+    amp.deinitialize()
     assert out.dtype == torch.bfloat16
     for own, _total, names in (miss, hit):
         assert own == 1, own  # amp_wrapper
@@ -53,23 +47,16 @@ def test_a_call_with_keyword_arguments_takes_the_inlined_path(region):
     layer = torch.nn.Linear(4, 4)
     x, q = torch.randn(2, 4), torch.randn(1, 2, 3, 4)
     F = torch.nn.functional
-    if region == "O1":
-        layer = amp.initialize(layer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
-        context = torch.enable_grad()
-    else:
-        context = amp.autocast(dtype=torch.bfloat16)
     weight, bias = layer.weight, layer.bias
     calls = [
         lambda: x.sum(dim=-1),
         lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
         lambda: F.linear(x, weight, bias=bias),
     ]
-    try:
-        with context:
-            counted = [_profile_calls(call) for call in calls]
-            results = [call() for call in calls]
-    finally:
-        amp.deinitialize()
+    with casting(region, torch.bfloat16, layer):
+        counted = [_profile_calls(call) for call in calls]
+        results = [call() for call in calls]
+    amp.deinitialize()
     for own, _total, names in counted:
         assert own == 1, names  # amp_wrapper
     assert counted[0][1] == 4, counted[0]  # the lambda, the wrapper, values(), sum
@@ -185,17 +172,10 @@ def test_keyword_and_literal_arguments_compile_in_one_graph_as_eager_casts_them(
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(block, fullgraph=True, backend="eager")
-    if region == "O1":
-        amp.initialize(layer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
-        context = torch.enable_grad()
-    else:
-        context = amp.autocast(dtype=torch.bfloat16)
-    try:
-        with context:
-            eager = block(torch.randn(2, 4))
-            outputs = [compiled(torch.randn(2, 4)) for _ in range(2)]
-    finally:
-        amp.deinitialize()
+    with casting(region, torch.bfloat16, layer):
+        eager = block(torch.randn(2, 4))
+        outputs = [compiled(torch.randn(2, 4)) for _ in range(2)]
+    amp.deinitialize()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert eager.dtype is torch.float32  # sum is FP32; its input came from bf16 attention
     assert all(output.dtype is eager.dtype and output.requires_grad for output in outputs)

@@ -9,7 +9,7 @@ import torch
 import amp
 from amp import lists
 from amp.casting.casts import cast_tree
-from helpers import DTYPES
+from helpers import DTYPES, casting
 from helpers.op_samples import CUDA_ONLY, LAPACK, NAMESPACE_SAMPLES, SAMPLES, sample
 
 ENTRIES = list(lists.entries())
@@ -106,23 +106,16 @@ def test_entries_that_keep_their_input_dtype_are_not_patched():
 @pytest.mark.parametrize("region", ["autocast", "O1"])
 def test_gelu_and_std_run_in_their_input_dtype(region, dtype):
     x = torch.randn(4, 8).to(dtype)
-    if region == "O1":
-        amp.initialize(torch.nn.Linear(2, 2), opt_level="O1", dtype=torch.float16, verbosity=0)
-        context = torch.enable_grad()
-    else:
-        context = amp.autocast(dtype=torch.float16)
-    try:
-        with context:
-            results = [
-                torch.nn.functional.gelu(x),
-                torch.nn.functional.gelu(x, approximate="tanh"),
-                torch._C._nn.gelu(x),
-                torch.nn.GELU()(x),
-                torch.std(x, dim=0),
-                x.std(),
-            ]
-    finally:
-        amp.deinitialize()
+    with casting(region, torch.float16):
+        results = [
+            torch.nn.functional.gelu(x),
+            torch.nn.functional.gelu(x, approximate="tanh"),
+            torch._C._nn.gelu(x),
+            torch.nn.GELU()(x),
+            torch.std(x, dim=0),
+            x.std(),
+        ]
+    amp.deinitialize()
     assert [result.dtype for result in results] == [dtype] * len(results)
     assert torch.equal(results[0], torch.nn.functional.gelu(x))
 
