@@ -212,7 +212,7 @@ def make_wrapper(original, kind, name, message=None):
                 compiling = None
                 for index, value in enumerate(values):
                     # type(), not __class__: Dynamo answers `x.__class__ in a_set` wrongly for
-                    # constants (and fails its own guard on it); type() is no call either. The
+                    # constants (and fails its own guard on it), `type(x) in a_set` rightly. The
                     # usual classes first, isinstance (a call) last: sizes and strides are tuples.
                     value_class = type(value)
                     if value_class in _TENSOR_CLASSES:
