@@ -9,8 +9,10 @@ Rows (a ratio below 1.00 means amp is faster):
   O1 transformer step      amp O1 (and amp.autocast + amp.GradScaler) / torch.autocast +
                            torch.amp.GradScaler, and / FP32; eager and under torch.compile
   loss scaling + step      amp scale_loss + step / torch.amp.GradScaler, 300 parameter tensors
-  per-call overhead        a patched F.linear call / torch.autocast's; an autocast region enter +
-                           exit / torch.autocast's; a patched call outside any region / the original
+  per-call overhead        a patched F.linear, F.conv2d and Tensor.sum call in a region (amp.autocast
+                           and O1), and F.linear at a weight's first use / torch.autocast's; an
+                           autocast region enter + exit / torch.autocast's; a patched call outside
+                           any region / the original (per_call.py)
   kernels                  amp.kernels / torch's ops (unscale, copies, norm), and on a GPU the
                            large unscale's bandwidth as a fraction of the datasheet's
   step costs               Python calls, peak memory and (not --quick) host time of one step,
@@ -29,76 +31,19 @@ device and what needs a GPU.
 import argparse
 import os
 import sys
-import timeit
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import end_to_end  # noqa: E402
 import kernels as kernel_benchmark  # noqa: E402
 import o1_transformer  # noqa: E402
+import per_call as per_call_benchmark  # noqa: E402
 import scaler as scaler_benchmark  # noqa: E402
 import step_costs  # noqa: E402
 from harness import print_table  # noqa: E402
 
 import amp  # noqa: E402
-
-
-def per_call(device, dtype):
-    """Best cost of one patched F.linear call, of one empty region, and of a patched call outside
-    any region, amp vs torch."""
-    linear = torch.nn.Linear(64, 64).to(device)
-    x = torch.randn(16, 64, device=device)
-    number = 2000
-
-    def best(fn):
-        return min(timeit.repeat(fn, number=number, repeat=7)) / number
-
-    def torch_region():
-        with torch.autocast(device, dtype=dtype):
-            pass
-
-    def amp_region():
-        with amp.autocast(dtype=dtype):
-            pass
-
-    amp.deinitialize()  # torch's own autocast: while amp's patches stay, torch.autocast is amp's
-    with torch.autocast(device, dtype=dtype):
-        torch_call = best(lambda: F.linear(x, linear.weight, linear.bias))
-    torch_region_time = best(torch_region)
-    original = F.linear
-    with amp.autocast(dtype=dtype):
-        amp_call = best(lambda: F.linear(x, linear.weight, linear.bias))
-    amp_region_time = best(amp_region)
-    # Outside any region (the patches stay installed between regions): the wrapper vs torch's.
-    outside = best(lambda: F.linear(x, linear.weight, linear.bias))
-    plain = best(lambda: original(x, linear.weight, linear.bias))
-    amp.deinitialize()
-    return [
-        {
-            "benchmark": "per-call overhead",
-            "case": "patched F.linear call",
-            "amp": amp_call,
-            "torch": torch_call,
-            "amp / torch": amp_call / torch_call,
-        },
-        {
-            "benchmark": "per-call overhead",
-            "case": "region enter + exit",
-            "amp": amp_region_time,
-            "torch": torch_region_time,
-            "amp / torch": amp_region_time / torch_region_time,
-        },
-        {
-            "benchmark": "per-call overhead",
-            "case": "F.linear outside any region",
-            "amp": outside,
-            "torch": plain,
-            "amp / torch": outside / plain,
-            "amp - torch": outside - plain,
-        },
-    ]
 
 
 def ran_on(device, tiny):
@@ -230,7 +175,9 @@ def main(argv=None):
         }
     )
 
-    summary += per_call(device, torch.bfloat16 if device == "cpu" else torch.float16)
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    for row in per_call_benchmark.rows(device, dtype, repeat=3 if args.quick else 7):
+        summary.append({"benchmark": "per-call overhead", **row})
 
     for row in kernel_benchmark.main():
         entry = {

@@ -9,9 +9,10 @@ Variants (variants.py): fp32, torch.autocast + torch.amp.GradScaler (the referen
 amp.autocast + amp.GradScaler, amp O2, amp O3, and a model in `dtype` stepped by torch's fused /
 foreach AdamW on FP32 masters ("manual O2"). Every variant trains a fresh copy of the same model
 on the same data with AdamW. Workloads (workloads.py):
-  calls    the host-bound transformer (width 16, batch 2 x 8) at depth 1, 4 and 16, and the CNN:
-           cProfile's total_calls of one step after two warm-up steps and once the loss scale
-           has settled (measure.settle)
+  calls    the host-bound transformer (width 16, batch 2 x 8) at depth 1, 4 and 16, GPT-2 at
+           CI size (gpt2-tiny: 2 layers of width 32, batch 2 x 32) and the CNN: cProfile's
+           total_calls of one step after two warm-up steps and once the loss scale has settled
+           (measure.settle)
   memory   the 4-layer width-512 transformer at 128 and 512 tokens (--quick: 128 only), and the
            CNN: bytes live when the step starts and their peak during it (measure.py), after one
            warm-up step on a batch of 2. --tiny (a smoke run): the transformer at width 64 and 32
@@ -236,6 +237,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     names = args.variants or list(variants.VARIANTS)
     plan = [(workloads.host_bound_transformer(depth), True, False) for depth in (1, 4, 16)]
+    plan.append((workloads.END_TO_END["gpt2-tiny"], True, False))
     if args.tiny:
         plan += [(workloads.memory_transformer(32, width=64), False, True)]
     else:

@@ -59,7 +59,7 @@ def _converter(target, sources, device_filter, cache):
         index = -1
         for value in values:
             index += 1
-            kind = value.__class__
+            kind = type(value)
             if kind in PLAIN_ARGUMENTS:
                 continue  # ints, floats, None...: read without a call to isinstance
             if kind is _Parameter or kind is _Tensor or isinstance(value, _Tensor):
@@ -151,22 +151,19 @@ class CastPolicy:
 
 
 class FastCast(tuple):
-    """(cast, sources, on_cuda, cache, entries, cached_cast, convert): one converter's settings,
-    unpacked by the wrappers in one step. `cast` is the cast method to the target, `sources` the
-    dtypes cast, `on_cuda` None (every device), True (CUDA tensors only) or False (CPU tensors
-    only), `cache` the weight-cast cache (None: none), `entries` its dict for the target (a
-    wrapper storing an entry there sets `cache.filled`), `cached_cast` its function, `convert` the
+    """(cast, sources, on_cuda, cache, entries, convert): one converter's settings, unpacked by the
+    wrappers in one step. `cast` is the cast method to the target, `sources` the dtypes cast,
+    `on_cuda` None (every device), True (CUDA tensors only) or False (CPU tensors only), `cache`
+    the weight-cast cache (None: none), `entries` its dict for the target (a wrapper storing an
+    entry there follows WeightCastCache.get_cast's rules and sets `cache.filled`), `convert` the
     converter itself (for nested sequences)."""
 
     __slots__ = ()
 
     def __new__(cls, target, on_cuda, cache, convert):
         sources = LOW_PRECISION if target is _float32 else CASTABLE - {target}
-        entries = cached_cast = None
-        if cache is not None:
-            entries = cache.entries_for(target)
-            cached_cast = cache.get_cast(target)
-        fields = (_CAST_METHODS[target], sources, on_cuda, cache, entries, cached_cast, convert)
+        entries = None if cache is None else cache.entries_for(target)
+        fields = (_CAST_METHODS[target], sources, on_cuda, cache, entries, convert)
         return tuple.__new__(cls, fields)
 
 
@@ -208,6 +205,10 @@ class WeightCastCache:
     An entry is keyed by the weight and the target dtype, and is served only while the weight's
     version counter and storage are unchanged, so an in-place update (an optimizer step, an EMA
     swap, `param.copy_`) or a `param.data = ...` swap is never answered with a stale cast.
+    A cast made in grad mode serves every later use. One made under no_grad has no autograd edge
+    to the weight: it serves no_grad uses, and the first use in grad mode casts again and
+    replaces it. Casts made in inference mode are not kept (inference tensors cannot join a
+    graph later).
     Writes through `param.data` bypass the version counter; amp clears the cache after every
     optimizer step it drives, when `scale_loss` starts and ends, and when the outermost autocast
     region exits.
@@ -216,8 +217,9 @@ class WeightCastCache:
     def __init__(self):
         # dtype -> {weight._cdata: (the weight, its version, its data_ptr, the cast)}. `_cdata`
         # (the address of the weight's TensorImpl, an attribute: no call) is unique among live
-        # tensors; holding the weight keeps nothing alive that the cast does not already hold
-        # (through its autograd node), and it rules out a recycled address while the entry exists.
+        # tensors; holding the weight keeps nothing alive that a grad-mode cast does not already
+        # hold (through its autograd node), and it rules out a recycled address while the entry
+        # exists, so a key found is the weight's own.
         self._entries = {dtype: {} for dtype in CASTABLE}
         self._all = tuple(self._entries.values())
         # True once an entry may have been stored since the last clear: the hot callers test it
@@ -239,28 +241,22 @@ class WeightCastCache:
         cast = _CAST_METHODS[dtype]
         data_ptr = _TensorBase.data_ptr
         is_grad_enabled = torch.is_grad_enabled
+        is_inference_mode_enabled = torch.is_inference_mode_enabled
 
         def cached_cast(tensor):
             key = tensor._cdata
             if key in entries:
-                weight, version, pointer, result = entries[key]
+                _, version, pointer, result = entries[key]
                 if (
-                    weight is tensor
-                    and tensor._version == version
+                    tensor._version == version
                     and data_ptr(tensor) == pointer
+                    and (result.requires_grad or not is_grad_enabled())
                 ):
                     return result
-            if is_grad_enabled():
-                result = cast(tensor)
-            elif torch.is_inference_mode_enabled():
-                return cast(tensor)  # inference tensors cannot join a graph later: not kept
-            else:
-                # Cast with grad on, so that a cast made under no_grad (an eval pass) is still a
-                # valid autograd edge when training resumes (the bug behind pytorch/pytorch#158232).
-                with torch.enable_grad():
-                    result = cast(tensor)
-            entries[key] = (tensor, tensor._version, data_ptr(tensor), result)
-            self.filled = True
+            result = cast(tensor)
+            if result.requires_grad or not is_inference_mode_enabled():
+                entries[key] = (tensor, tensor._version, data_ptr(tensor), result)
+                self.filled = True
             return result
 
         return cached_cast
@@ -270,7 +266,6 @@ class WeightCastCache:
             if entries:
                 entries.clear()
         self.filled = False
-
 
 
 def cast_tree(value, dtype, device_filter=None):

@@ -91,8 +91,8 @@ class TorchPatches:
         plan = []
         for entry in lists.entries():
             namespace = lists.resolve_namespace(entry.namespace)
-            if (id(namespace), entry.name) in overridden or entry.kind == lists.PROMOTED_BY_TORCH:
-                continue  # a user registration decides this one, or torch promotes it itself
+            if (id(namespace), entry.name) in overridden or entry.kind in lists.UNPATCHED:
+                continue  # a user registration decides this one, or torch's own rule does
             if not hasattr(namespace, entry.name):
                 logger.debug("amp: %s is not in this torch; not patched", entry.qualified_name)
                 continue

@@ -19,10 +19,12 @@ from .casts import CASTABLE, LOW_PRECISION, PLAIN_ARGUMENTS, SEQUENCES, Explicit
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+_TENSOR_CLASSES = frozenset((_Tensor, _Parameter))  # what model code passes, tested first
 _dtype = torch.dtype
 _float32 = torch.float32
 _data_ptr = torch._C.TensorBase.data_ptr
 _is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 # `torch.compiler.is_compiling()` is `False if torch.jit.is_scripting() else _is_compiling_flag`
 # eagerly (two calls; a wrapper is never scripted) and a constant True under Dynamo, as is
 # `is_dynamo_compiling()`; the flag covers torch.export's non-Dynamo tracing. Read in this order,
@@ -115,7 +117,7 @@ CASTERS = {
 
 
 # Where a policy's `fast` settings sit for each kind (casts.FastCast), for the inlined path of
-# calls without keyword arguments.
+# untraced calls.
 _FAST_SLOTS = {LOWER_PRECISION: 0, FP32: 1}
 
 
@@ -184,89 +186,105 @@ def make_wrapper(original, kind, name, message=None):
         policy = thread.policy
         if policy is INHERIT:
             policy = state.default_policy
+        # `state.traces` (amp.trace blocks open in any thread, a plain attribute) before this
+        # thread's own trace (a threading.local read, about three times the cost).
         if policy is None:
-            if thread.trace is None:
+            if not state.traces or thread.trace is None:
                 return original(*args, **kwargs)
             return traced_call(original, name, kind, None, None, args, kwargs)
-        if slot is not None and not kwargs and thread.trace is None:
+        if slot is not None and not state.traces:
             fast = policy.fast[slot]
             if fast is not None:
                 # The common call, the policy's converter and the weight-cast cache inlined (the
                 # same rules as casts._converter and WeightCastCache.get_cast): it runs for every
                 # patched op of a model, and each Python call here is host time per op. Dynamo
                 # traces it as plain code; the compile test (see _compiler) runs only where the
-                # cache would be used, which the compiled path goes without.
-                cast, sources, on_cuda, cache, entries, cached_cast, convert = fast
-                new_args = None
-                grad = compiling = None
-                index = -1
-                for value in args:
-                    index += 1
-                    value_class = value.__class__
-                    if value_class in PLAIN_ARGUMENTS:
+                # cache would be used, which the compiled path goes without. Keyword arguments
+                # are read with the positional ones (`x.sum(dim=-1)`, `is_causal=True`).
+                if kwargs:
+                    if "out" in kwargs:
+                        return original(*args, **kwargs)  # an out= call runs as asked
+                    values = (*args, *kwargs.values())
+                else:
+                    values = args
+                cast, sources, on_cuda, cache, entries, convert = fast
+                new_values = None
+                compiling = None
+                for index, value in enumerate(values):
+                    # type(), not __class__: Dynamo answers `x.__class__ in a_set` wrongly for
+                    # constants (and fails its own guard on it), `type(x) in a_set` rightly. The
+                    # usual classes first, isinstance (a call) last: sizes and strides are tuples.
+                    value_class = type(value)
+                    if value_class in _TENSOR_CLASSES:
+                        pass
+                    elif value_class in PLAIN_ARGUMENTS:
                         continue
-                    if (
-                        value_class is _Parameter
-                        or value_class is _Tensor
-                        or isinstance(value, _Tensor)
-                    ):
-                        dtype = value.dtype
-                        if dtype not in sources:
-                            continue
-                        if on_cuda is not None and value.is_cuda is not on_cuda:
-                            continue
-                        if new_args is None:
-                            new_args = list(args)
-                        if (
-                            entries is None
-                            or dtype is not _float32
-                            or not value.requires_grad
-                            or not value.is_leaf
-                        ):
-                            new_args[index] = cast(value)
-                            continue
-                        if compiling is None:
-                            compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
-                        if compiling:
-                            new_args[index] = cast(value)
-                            continue
-                        key = value._cdata  # no call, unlike id() and dict.get
-                        if key in entries:
-                            entry = entries[key]
-                            if (
-                                entry[0] is value
-                                and entry[1] == value._version
-                                and entry[2] == _data_ptr(value)
-                            ):
-                                new_args[index] = entry[3]
-                                continue
-                        if grad is None:
-                            grad = _is_grad_enabled()
-                        if grad:
-                            result = new_args[index] = cast(value)
-                            entries[key] = (value, value._version, _data_ptr(value), result)
-                            cache.filled = True
-                        else:  # under no_grad or inference mode: the cache's own rules
-                            new_args[index] = cached_cast(value)
                     elif value_class in SEQUENCES:
                         for item in value:  # sizes and the like: nothing to cast, no call
-                            if item.__class__ not in PLAIN_ARGUMENTS:
+                            if type(item) not in PLAIN_ARGUMENTS:
                                 break
                         else:
                             continue
                         if _is_dynamo_compiling() or _compiler._is_compiling_flag:
-                            return compiled_call(original, kind, name, message, policy, args, {})
+                            return compiled_call(
+                                original, kind, name, message, policy, args, kwargs
+                            )
                         try:
                             inner = convert(value)
                         except ExplicitDtype:
-                            return original(*args)
+                            return original(*args, **kwargs)
                         if inner is not None:
-                            if new_args is None:
-                                new_args = list(args)
-                            new_args[index] = value_class(inner)
+                            if new_values is None:
+                                new_values = list(values)
+                            new_values[index] = value_class(inner)
+                        continue
                     elif value_class is _dtype:
-                        return original(*args)  # the call names its dtype: it runs as asked
-                return original(*args) if new_args is None else original(*new_args)
+                        return original(*args, **kwargs)  # the call names its dtype: as asked
+                    elif not isinstance(value, _Tensor):
+                        continue
+                    dtype = value.dtype
+                    if dtype not in sources:
+                        continue
+                    if on_cuda is not None and value.is_cuda is not on_cuda:
+                        continue
+                    if new_values is None:
+                        new_values = list(values)
+                    if (
+                        entries is None
+                        or dtype is not _float32
+                        or not value.requires_grad
+                        or not value.is_leaf
+                    ):
+                        new_values[index] = cast(value)
+                        continue
+                    if compiling is None:
+                        compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
+                    if compiling:
+                        new_values[index] = cast(value)
+                        continue
+                    key = value._cdata  # no call, unlike id() and dict.get
+                    if key in entries:
+                        entry = entries[key]
+                        if (
+                            entry[1] == value._version
+                            and entry[2] == _data_ptr(value)
+                            and (entry[3].requires_grad or not _is_grad_enabled())
+                        ):
+                            new_values[index] = entry[3]
+                            continue
+                    result = new_values[index] = cast(value)
+                    # A cast that requires grad was made in grad mode: kept for every later use.
+                    # Reading that off the cast spares a grad-mode call per weight.
+                    if result.requires_grad or not _is_inference_mode_enabled():
+                        entries[key] = (value, value._version, _data_ptr(value), result)
+                        cache.filled = True
+                if new_values is None:
+                    return original(*args, **kwargs)
+                if not kwargs:
+                    return original(*new_values)
+                positional = len(args)
+                new_kwargs = dict(zip(kwargs, new_values[positional:]))
+                return original(*new_values[:positional], **new_kwargs)
         if _is_dynamo_compiling() or _compiler._is_compiling_flag:
             return compiled_call(original, kind, name, message, policy, args, kwargs)
         if kwargs and ("out" in kwargs or kwargs.get("dtype") is not None):

@@ -30,6 +30,10 @@ TABLES = (
 
 # Entries torch's type promotion already handles: listed, checked, never patched.
 PROMOTED_BY_TORCH = "promoted_by_torch"
+# Entries apex ran in FP32 that run in their input's dtype, as under torch.autocast: listed,
+# checked, never patched.
+INPUT_DTYPE = "input_dtype"
+UNPATCHED = (PROMOTED_BY_TORCH, INPUT_DTYPE)
 
 # Which list of a table holds which policy kind.
 LIST_KINDS = (
@@ -38,6 +42,7 @@ LIST_KINDS = (
     ("CASTS", PROMOTE),
     ("SEQUENCE_CASTS", SEQUENCE_PROMOTE),
     ("PROMOTED_BY_TORCH", PROMOTED_BY_TORCH),
+    ("INPUT_DTYPE_FUNCS", INPUT_DTYPE),
 )
 
 # Names that exist only in torch releases newer than 2.1 (amp supports 2.3 and newer). A name

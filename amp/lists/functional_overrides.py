@@ -28,7 +28,6 @@ FP32_FUNCS = (
     "softmin",
     "log_softmax",
     "softmax",
-    "gelu",
     # Normalisation
     "layer_norm",
     "rms_norm",
@@ -67,6 +66,13 @@ FP32_FUNCS = (
     "fractional_max_pool3d",
 )
 
+# apex ran these in FP32. torch's kernels compute them in FP32 internally for float16 and bfloat16
+# inputs and round once into the input's dtype, as torch.autocast leaves them: FP32 would only
+# add casts and traffic (GPT-2's gelu: two casts each way and twice the bytes, per layer). Listed,
+# checked, never patched; `amp.register_float_function(torch.nn.functional, "gelu")` gives apex's
+# choice back.
+INPUT_DTYPE_FUNCS = ("gelu",)
+
 CASTS = ("bilinear",)
 
 SEQUENCE_CASTS = ()
@@ -91,6 +97,15 @@ DELEGATES = {
     "binary_cross_entropy_with_logits": ("torch", "binary_cross_entropy_with_logits"),
     "triplet_margin_loss": ("torch", "triplet_margin_loss"),
     "ctc_loss": ("torch", "ctc_loss"),
+    # The losses below pass their tensors to their torch._C._nn binding (C_BINDINGS).
+    "cross_entropy": ("torch._C._nn", "cross_entropy_loss"),
+    "nll_loss": ("torch._C._nn", "nll_loss_nd"),
+    "l1_loss": ("torch._C._nn", "l1_loss"),
+    "mse_loss": ("torch._C._nn", "mse_loss"),
+    "huber_loss": ("torch._C._nn", "huber_loss"),
+    "soft_margin_loss": ("torch._C._nn", "soft_margin_loss"),
+    "multilabel_margin_loss": ("torch._C._nn", "multilabel_margin_loss"),
+    "multi_margin_loss": ("torch._C._nn", "multi_margin_loss"),
 }
 
 # The C bindings in torch._C._nn behind these functions, which libraries (and torch's own

@@ -52,7 +52,6 @@ FP32_FUNCS = (
     "norm",
     "renorm",
     "dist",
-    "std",
     "var",
     "trace",
     "quantile",
@@ -118,6 +117,9 @@ PROMOTED_BY_TORCH = (
     "__le__",
     "__lt__",
 )
+
+# In its input's dtype, as torch.std (torch_overrides.py says why).
+INPUT_DTYPE_FUNCS = ("std",)
 
 SEQUENCE_CASTS = ()
 

@@ -79,7 +79,6 @@ FP32_FUNCS = (
     "prod",
     "cumsum",
     "cumprod",
-    "std",
     "var",
     "dist",
     "pdist",
@@ -146,6 +145,11 @@ PROMOTED_BY_TORCH = (
     "lt",
     "ne",
 )
+
+# apex ran std in FP32. torch's kernels accumulate float16 and bfloat16 inputs in FP32 and round
+# once (a standard deviation stays within its input's range), as torch.autocast leaves it. `var`
+# stays FP32: its result is squared, and float16 overflows from a deviation of 256.
+INPUT_DTYPE_FUNCS = ("std",)
 
 SEQUENCE_CASTS = (
     "cat",

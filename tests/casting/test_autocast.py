@@ -14,26 +14,9 @@ import amp
 from amp._state import amp_state
 from helpers import DTYPES, HAS_CUDA
 from helpers.models import loss_of, make_model
+from helpers.profiling import CastCounter
 
 LOW = pytest.mark.parametrize("dtype", DTYPES, ids=str)
-
-
-class CastCounter(torch.overrides.TorchFunctionMode):
-    """Counts the casts amp makes: calls of Tensor.to and its dtype shorthands that change the
-    dtype."""
-
-    CASTS = (torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.float)
-
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if func in self.CASTS and isinstance(result, torch.Tensor) and result is not args[0]:
-            self.casts += 1
-        return result
 
 
 # -- what is cast -------------------------------------------------------------------------------
@@ -431,7 +414,6 @@ def test_packed_sequences():
     assert x.grad.dtype is torch.float32
 
 
-
 # -- custom_fwd / custom_bwd ---------------------------------------------------------------------------
 
 
@@ -480,5 +462,3 @@ def test_custom_fwd_outside_a_region_does_nothing():
     function = _function(torch.float32)
     a = torch.randn(3, 3, dtype=torch.float16, requires_grad=True)
     assert function.apply(a, {"b": torch.ones(3, 3, dtype=torch.float16)}).dtype is torch.float16
-
-

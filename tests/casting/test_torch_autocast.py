@@ -13,24 +13,10 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import amp
 from amp._state import amp_state
-from helpers import DTYPES
+from helpers import DTYPES, casting
 
 LOW = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 MODES = pytest.mark.parametrize("mode", ["O1", "autocast"])
-
-
-@contextlib.contextmanager
-def casting(mode, dtype, model=None):
-    """amp's casting in force for the block: an O1 initialize, or an amp.autocast region."""
-    if mode == "O1":
-        amp.initialize(model or nn.Linear(1, 1), opt_level="O1", dtype=dtype, verbosity=0)
-        try:
-            yield
-        finally:
-            amp.deinitialize()
-    else:
-        with amp.autocast(dtype=dtype):
-            yield
 
 
 # -- torch reads amp's state --------------------------------------------------------------------

@@ -1,11 +1,15 @@
-"""What the tests share that is not a test: constants, the model and loss makers
-(helpers.models), and the scripts the tests run in other processes (ranks, resume, apex_scripts)."""
+"""What the tests share that is not a test: constants, amp's casting as a context, the model and
+loss makers (helpers.models), and the scripts the tests run in other processes (ranks, resume,
+apex_scripts)."""
 
+import contextlib
 import os
 import pathlib
 
 import pytest
 import torch
+
+import amp
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -23,3 +27,17 @@ def subprocess_env(**extra):
     tests/ so that the process can import `helpers`."""
     path = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+@contextlib.contextmanager
+def casting(mode, dtype, model=None):
+    """amp's casting in force for the block: an O1 initialize, or an amp.autocast region."""
+    if mode == "O1":
+        amp.initialize(model or torch.nn.Linear(1, 1), opt_level="O1", dtype=dtype, verbosity=0)
+        try:
+            yield
+        finally:
+            amp.deinitialize()
+    else:
+        with amp.autocast(dtype=dtype):
+            yield

@@ -9,7 +9,7 @@ import torch
 import amp
 from amp import lists
 from amp.casting.casts import cast_tree
-from helpers import DTYPES
+from helpers import DTYPES, casting
 from helpers.op_samples import CUDA_ONLY, LAPACK, NAMESPACE_SAMPLES, SAMPLES, sample
 
 ENTRIES = list(lists.entries())
@@ -83,6 +83,57 @@ def test_entries_promoted_by_torch_are_not_patched():
     assert all(a is b for a, b in zip(before, during))
 
 
+INPUT_DTYPE_ENTRIES = [entry for entry in ENTRIES if entry.kind == lists.INPUT_DTYPE]
+
+
+def test_entries_that_keep_their_input_dtype_are_not_patched():
+    """apex's FP32 entries that torch.autocast leaves in their input's dtype (the tables' comments
+    say why each is safe there): listed, never wrapped, so they run as without amp."""
+    assert {_id(entry) for entry in INPUT_DTYPE_ENTRIES} == {
+        "torch.nn.functional.gelu",
+        "torch.std",
+        "torch.Tensor.std",
+    }
+    targets = [(lists.resolve_namespace(e.namespace), e.name) for e in INPUT_DTYPE_ENTRIES]
+    targets.append((torch._C._nn, "gelu"))  # F.gelu's binding takes F.gelu's policy: none
+    before = [vars(namespace).get(name) for namespace, name in targets]
+    with amp.autocast(dtype=torch.bfloat16):
+        during = [vars(namespace).get(name) for namespace, name in targets]
+    assert all(a is b for a, b in zip(before, during))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=str)
+@pytest.mark.parametrize("region", ["autocast", "O1"])
+def test_gelu_and_std_run_in_their_input_dtype(region, dtype):
+    x = torch.randn(4, 8).to(dtype)
+    with casting(region, torch.float16):
+        results = [
+            torch.nn.functional.gelu(x),
+            torch.nn.functional.gelu(x, approximate="tanh"),
+            torch._C._nn.gelu(x),
+            torch.nn.GELU()(x),
+            torch.std(x, dim=0),
+            x.std(),
+        ]
+    amp.deinitialize()
+    assert [result.dtype for result in results] == [dtype] * len(results)
+    assert torch.equal(results[0], torch.nn.functional.gelu(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_register_float_function_gives_apexs_fp32_gelu_back(registrations, dtype):
+    amp.register_float_function(torch.nn.functional, "gelu")
+    x = torch.randn(4, 8, dtype=dtype)
+    with amp.autocast(dtype=dtype):
+        results = [
+            torch.nn.functional.gelu(x, approximate="tanh"),
+            torch._C._nn.gelu(x),  # the binding F.gelu is, patched with its policy
+            torch.nn.GELU()(x),
+        ]
+    assert [result.dtype for result in results] == [torch.float32] * 3
+    assert torch.equal(results[0], torch.nn.functional.gelu(x.float(), approximate="tanh"))
+
+
 def test_every_entry_has_a_sample():
     for entry in ENTRIES:
         assert (entry.namespace, entry.name) in NAMESPACE_SAMPLES or entry.name in SAMPLES, _id(
@@ -145,8 +196,11 @@ _INPUT_DTYPE = {
     lists.PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
     lists.SEQUENCE_PROMOTE: lambda low: lambda position: torch.float32 if position == 0 else low,
     lists.PROMOTED_BY_TORCH: lambda low: lambda position: torch.float32 if position == 0 else low,
+    lists.INPUT_DTYPE: lambda low: lambda position: low,
     lists.BANNED: lambda low: lambda position: low,
 }
+# The kinds that run in the low-precision dtype given these inputs.
+_RUNS_LOW = (lists.LOWER_PRECISION, lists.INPUT_DTYPE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -156,7 +210,7 @@ def test_entry_runs_in_its_table_dtype(entry, dtype):
         pytest.skip("torch has no CPU kernel for this op")
     torch.manual_seed(0)
     args, kwargs = sample(entry, _maker(_INPUT_DTYPE[entry.kind](dtype)))
-    run_dtype = dtype if entry.kind == lists.LOWER_PRECISION else torch.float32
+    run_dtype = dtype if entry.kind in _RUNS_LOW else torch.float32
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notes of torch.cholesky and friends
         if entry.kind == lists.BANNED:
@@ -210,7 +264,9 @@ DELEGATING = [entry for entry in ENTRIES if (entry.namespace, entry.name) in lis
 
 def test_delegates_are_table_entries_with_a_delegate_of_the_same_policy():
     kinds = {(entry.namespace, entry.name): entry.kind for entry in ENTRIES}
-    assert len(DELEGATING) == len(lists.delegates()) == 14
+    # A C binding takes the policy of the function it is the binding of.
+    kinds.update({binding: kinds[source] for binding, source in lists.bindings().items()})
+    assert len(DELEGATING) == len(lists.delegates()) == 22
     for entry in DELEGATING:
         assert kinds[lists.delegates()[(entry.namespace, entry.name)]] == entry.kind, _id(entry)
 

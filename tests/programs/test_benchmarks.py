@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import end_to_end  # noqa: E402
 import kernels as kernel_benchmark  # noqa: E402
 import o1_transformer  # noqa: E402
+import per_call  # noqa: E402
 import scaler as scaler_benchmark  # noqa: E402
 import step_costs  # noqa: E402
 import variants  # noqa: E402
@@ -58,6 +59,27 @@ def test_o1_transformer_runs_every_variant_at_its_smallest_size(capsys):
     assert results["torch.autocast"]["/ torch.autocast"] == 1.0  # the ratios' reference
     printed = capsys.readouterr().out
     assert all(name in printed for name in results)
+
+
+def test_per_call_benchmark_gives_each_case_against_torch(capsys):
+    threads = torch.get_num_threads()
+    table = per_call.main(["--device", "cpu", "--number", "2", "--repeat", "1"])
+    assert torch.get_num_threads() == threads  # one thread while it measured, then as before
+    assert [row["case"] for row in table] == [
+        "F.linear, amp.autocast",
+        "F.linear, amp O1",
+        "F.conv2d, amp.autocast",
+        "F.conv2d, amp O1",
+        "Tensor.sum, amp.autocast",
+        "Tensor.sum, amp O1",
+        "F.linear, weights cast anew, amp.autocast",
+        "region enter + exit",
+        "F.linear outside any region",
+    ]
+    for row in table:
+        assert row["amp / torch"] == row["amp"] / row["torch"]
+        assert row["amp - torch"] == row["amp"] - row["torch"]
+    assert "host time per patched call, bfloat16 on cpu" in capsys.readouterr().out
 
 
 def test_scaler_benchmark_runs_its_three_variants_at_its_smallest_size(capsys):
