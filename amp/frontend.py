@@ -221,8 +221,9 @@ def initialize(
         raise RuntimeError(
             f"amp.initialize(opt_level={properties.opt_level!r}"
             f"{', float8=...' if properties.float8 else ''}) was called inside a torch.autocast "
-            "region opened before amp was first used: torch's own autocast would cast on top of amp's. Call "
-            "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
+            "region opened before amp was first used: torch's own autocast would cast on top of "
+            "amp's. Call amp.initialize outside it; a torch.autocast region opened afterwards is "
+            "amp's."
         )
     _check_models_and_optimizers(model_list, optimizer_list)
     if properties.cast_model_type or cast_model_outputs is not None:
