@@ -13,6 +13,7 @@ the Function saves the high-precision input and weight, and backward casts them 
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..lists.float8_recipes import RECIPES, Float8Recipe, check_recipe_name  # noqa: F401
 
@@ -135,6 +136,7 @@ class Float8Linear(torch.autograd.Function):
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @staticmethod
+    @once_differentiable  # no FP8 double backward: a clear error rather than wrong second grads
     def backward(ctx, grad_output: torch.Tensor):
         input, weight = ctx.saved_tensors
         recipe = ctx.recipe

@@ -143,3 +143,12 @@ def test_only_shapes_fp8_tensor_cores_take_run_in_fp8():
     assert not float8.fits(torch.zeros(12, 32), torch.zeros(48, 32))  # tokens
     assert not float8.fits(torch.zeros(0, 32), torch.zeros(48, 32))
     assert not float8.fits(torch.zeros(32), torch.zeros(48, 32))  # one token
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    out = float8.linear(x, w, None, float8.RECIPES["tensorwise"])
+    (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
