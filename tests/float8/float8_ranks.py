@@ -1,4 +1,4 @@
-"""One rank of a 2-process gloo job training with float8, for tests/float8/test_float8_distributed.py.
+"""One rank of a 2-process gloo job training with float8 (tests/float8/test_float8_distributed.py).
 
 Run as ``python tests/float8/float8_ranks.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set: each scenario trains a small model for STEPS steps (rank 1 alone injects an inf
@@ -31,7 +31,8 @@ def make_model():
 
 def batch(rank, step):
     generator = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(16, 32, generator=generator), torch.randint(0, 16, (16,), generator=generator)
+    inputs = torch.randn(16, 32, generator=generator)
+    return inputs, torch.randint(0, 16, (16,), generator=generator)
 
 
 def _full(tensor):

@@ -1,4 +1,4 @@
-"""torch.compile traces the FP8 path into one graph: where the casts fuse and the speed comes from."""
+"""torch.compile traces the FP8 path into one graph, where the casts fuse (and the speed is)."""
 
 import torch
 from torch import nn
