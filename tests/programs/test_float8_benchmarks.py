@@ -1,13 +1,13 @@
 """The float8 benchmarks run, and what they count is right (timings are never asserted)."""
 
-import os
 import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import device_work  # noqa: E402
 import float8_layers  # noqa: E402
 import float8_training  # noqa: E402
@@ -28,6 +28,7 @@ def test_the_float8_row_counts_three_fp8_matmuls_per_linear_and_saves_what_o2_sa
     assert "amp O2 + float8" in names
 
 
+@pytest.mark.slow
 def test_float8_layers_runs_at_toy_sizes():
     pytest.importorskip("torchao.float8")
     table = float8_layers.main(
@@ -43,6 +44,7 @@ def test_float8_layers_runs_at_toy_sizes():
     assert all(row["finite loss"] for row in table)
 
 
+@pytest.mark.slow
 def test_float8_training_matches_torchao_step_for_step():
     pytest.importorskip("torchao.float8")
     settings = dict(device="cpu", steps=3, batch=2, length=16, width=32, layers=1, heads=2, lr=3e-3)

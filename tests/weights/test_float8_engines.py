@@ -1,27 +1,24 @@
-"""float8 under torch.distributed, two real gloo processes (tests/float8/float8_ranks.py): DDP at
+"""float8 under torch.distributed, two real gloo processes (tests/helpers/float8_ranks.py): DDP at
 O2, FSDP2 at O1 and with amp.autocast + amp.GradScaler. Each linear runs in FP8 on each rank (its
 own scales, from its own batch); an inf on rank 1 alone skips the step on both; both end with the
 same parameters, bit for bit."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-import float8_ranks as helper  # noqa: E402
-from ranks import run_two_ranks  # noqa: E402
+from helpers import TESTS
+from helpers import float8_ranks as helper
+from helpers.ranks import run_two_ranks
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("float8_ranks")
-    run_two_ranks(os.path.join(os.path.dirname(__file__), "float8_ranks.py"), out)
+    run_two_ranks(TESTS / "helpers" / "float8_ranks.py", out)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, mode", helper.SCENARIOS)
 def test_ranks_train_in_fp8_and_agree(ranks, engine, mode):
     rank0, rank1 = (rank[(engine, mode)] for rank in ranks)

@@ -1,5 +1,6 @@
 """torch.compile traces the FP8 path into one graph, where the casts fuse (and the speed is)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,7 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
+@pytest.mark.slow
 def test_o2_float8_step_compiles_into_one_graph_as_eager_computes_it():
     """One graph, no break, no recompile over steps; and with inductor rounding intermediates as
     eager does (`emulate_precision_casts`; by default a fused kernel keeps an FP32 value that

@@ -1,6 +1,6 @@
-"""One rank of a 2-process gloo job training with float8 (tests/float8/test_float8_distributed.py).
+"""One rank of a 2-process gloo job training with float8 (tests/weights/test_float8_engines.py).
 
-Run as ``python tests/float8/float8_ranks.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR and
+Run as ``python tests/helpers/float8_ranks.py OUT`` with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set: each scenario trains a small model for STEPS steps (rank 1 alone injects an inf
 into a gradient at OVERFLOW_STEP) and this rank's results go to OUT/rank<RANK>.pt.
 """
@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import amp  # noqa: E402
+import amp
+from helpers import models
 
 # (engine, how amp is used): DDP at O2, FSDP2 at O1, FSDP2 with amp.autocast + amp.GradScaler.
 SCENARIOS = [("ddp", "O2"), ("fsdp2", "O1"), ("fsdp2", "scaler")]
@@ -25,8 +24,8 @@ DTYPE, RECIPE = torch.bfloat16, "tensorwise"
 
 
 def make_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    """helpers.models.make_model with FP8-sized layers: Linear(32, 64), ReLU, Linear(64, 16)."""
+    return models.make_model(inputs=32, hidden=64, outputs=16)
 
 
 def batch(rank, step):
