@@ -6,9 +6,9 @@ import functools
 import torch
 
 from .._state import amp_state
+from ..lists.float8_recipes import check_recipe_name
 from . import native_autocast as native_state
 from .casts import DEVICE_FILTERS, DEVICE_TYPES, KEEP, LOW_PRECISION, cast_tree, with_device
-from .float8 import check_recipe_name
 
 
 @contextlib.contextmanager

@@ -110,7 +110,7 @@ class CastPolicy:
         self.cpu = cpu
         self.cuda = cuda
         self.cache_enabled = cache_enabled
-        self.float8 = float8  # a recipe name of amp/casting/float8.py, or None
+        self.float8 = float8  # a recipe name (amp/lists/float8_recipes.py), or None
         cache = amp_state.cast_cache if cache_enabled else None
         if cpu is None and cuda is None:
             # float8 alone (O2/O3 with float8=...): the FLOAT8_FUNCS run in FP8, every other

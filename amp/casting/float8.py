@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..lists.float8_recipes import RECIPES, Float8Recipe, check_recipe_name  # noqa: F401
+from ..lists.float8_recipes import RECIPES, Float8Recipe  # noqa: F401 (RECIPES: for callers)
 
 # torch's own functions, never amp's wrappers (amp patches `torch.log2`, `Tensor.reciprocal`,
 # ...): the FP8 casts run in FP32 whatever policy is in force, and stay out of amp.trace().
