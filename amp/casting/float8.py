@@ -143,7 +143,7 @@ class Float8Linear(torch.autograd.Function):
         pow2 = recipe.power_of_2_scales
         shape = grad_output.shape
         grad = grad_output.reshape(-1, shape[-1])
-        grad_input = grad_weight = None
+        grad_input = grad_weight = g8 = None
         if ctx.needs_input_grad[0]:
             # dy @ w: dy scaled per row (over out features), w per column (over out features).
             g8, g_scale = to_float8(grad, recipe.grad_output_dtype, _dim(recipe, -1), pow2)
@@ -155,7 +155,8 @@ class Float8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # dy.T @ x: both scaled per column (over tokens), the dimension the matmul reduces.
             x = input.reshape(-1, input.shape[-1])
-            g8, g_scale = to_float8(grad, recipe.grad_output_dtype, _dim(recipe, 0), pow2)
+            if g8 is None or recipe.rowwise:  # one scale per tensor: the cast above serves
+                g8, g_scale = to_float8(grad, recipe.grad_output_dtype, _dim(recipe, 0), pow2)
             x8, x_scale = to_float8(x, recipe.input_dtype, _dim(recipe, 0), pow2)
             grad_weight = scaled_mm(
                 g8.t(), g_scale.t(), x8, x_scale, grad.dtype, recipe.fast_accum_grad_weight
