@@ -17,11 +17,13 @@ from torch.autograd.function import once_differentiable
 
 from ..lists.float8_recipes import RECIPES, Float8Recipe  # noqa: F401 (RECIPES: for callers)
 
-# torch's own functions, never amp's wrappers (amp patches `torch.log2`, `Tensor.reciprocal`,
-# ...): the FP8 casts run in FP32 whatever policy is in force, and stay out of amp.trace().
-_VF = torch._C._VariableFunctions
-_log2 = _VF.log2
-_reciprocal = _VF.reciprocal
+# Through torch.ops.aten, never amp's wrappers (amp patches `torch.log2`, `Tensor.reciprocal`):
+# the FP8 casts run in FP32 or float64 whatever policy is in force, and stay out of amp.trace().
+# Dynamo traces these however it built its tables, whereas it misses the builtins behind
+# `torch.log2` & co. (a graph break in the autograd Function) if it first looked while amp's
+# patches were installed.
+_log2 = torch.ops.aten.log2
+_reciprocal = torch.ops.aten.reciprocal
 
 # torchao.float8.float8_utils.EPS: the smallest amax a scale is computed from (an all-zero
 # tensor gets a finite scale).

@@ -21,6 +21,27 @@ from .wrappers import make_wrapper
 logger = logging.getLogger("amp")
 
 
+def _prime_dynamo():
+    """Have torch.compile build its table of torch's functions now, from the originals. Dynamo
+    reads them from their modules once per process and keys its rules by identity: built while
+    amp's patches are installed, the table names amp's wrappers and lacks the originals they
+    call, so every patched call breaks the graph (`fullgraph=True` fails). The first install
+    pays Dynamo's import (a second or two) where nothing imported it before."""
+    global _primed
+    if _primed:
+        return
+    _primed = True
+    try:
+        from torch._dynamo import trace_rules
+    except ImportError:  # a torch without Dynamo: nothing to prime
+        return
+    trace_rules.get_torch_obj_rule_map()
+    trace_rules.get_tensor_method()
+
+
+_primed = False
+
+
 class TorchPatches:
     def __init__(self):
         self._kept = False  # installed by an earlier user: stays until drop()
@@ -169,6 +190,7 @@ class TorchPatches:
         return [step for step in plan if (id(step[0]), step[1]) not in skipped]
 
     def _install(self):
+        _prime_dynamo()
         ledger = PatchLedger()
         try:
             plan = self._plan()
