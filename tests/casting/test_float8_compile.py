@@ -1,10 +1,14 @@
 """torch.compile traces the FP8 path into one graph, where the casts fuse (and the speed is)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 import amp
+from helpers import subprocess_env
 
 
 class Block(nn.Module):
@@ -66,3 +70,26 @@ def test_o2_float8_step_compiles_into_one_graph_as_eager_computes_it():
             torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
         else:
             assert torch.equal(a, b), name
+
+
+FRESH_PROCESS = """
+import torch, amp
+from torch import nn
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+amp.initialize(model, opt_level="{level}", dtype=torch.bfloat16, float8={float8!r}, verbosity=0)
+out = torch.compile(lambda x: model(x), fullgraph=True)(torch.randn(16, 32))
+print(out.dtype)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level, float8", [("O1", None), ("O2", "tensorwise")])
+def test_compiling_in_a_fresh_process_after_initialize_makes_one_graph(level, float8):
+    """Dynamo builds its table of torch's functions at its first use: here after amp's patches
+    are in place (amp primes it first; unprimed, every patched call broke the graph)."""
+    code = FRESH_PROCESS.format(level=level, float8=float8)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == ("torch.bfloat16" if level == "O1" else "torch.float32")
