@@ -22,24 +22,26 @@ logger = logging.getLogger("amp")
 
 
 def _prime_dynamo():
-    """Have torch.compile build its table of torch's functions now, from the originals. Dynamo
-    reads them from their modules once per process and keys its rules by identity: built while
-    amp's patches are installed, the table names amp's wrappers and lacks the originals they
-    call, so every patched call breaks the graph (`fullgraph=True` fails). The first install
-    pays Dynamo's import (a second or two) where nothing imported it before."""
-    global _primed
-    if _primed:
+    """Have torch.compile build its tables of torch's functions now, from the originals, before
+    amp's patches replace them. Dynamo reads them from their modules and keys its rules by
+    identity: built while amp's patches are installed, the table names amp's wrappers and lacks
+    the originals they call, so every patched call breaks the graph (`fullgraph=True` fails).
+    It builds them on first use and rebuilds them after `init_process_group` clears them, so
+    this runs at every install (cached, it costs nothing); the first pays Dynamo's import (a
+    second or two) where nothing imported it before."""
+    global _no_dynamo
+    if _no_dynamo:
         return
-    _primed = True
     try:
         from torch._dynamo import trace_rules
     except ImportError:  # a torch without Dynamo: nothing to prime
+        _no_dynamo = True
         return
     trace_rules.get_torch_obj_rule_map()
     trace_rules.get_tensor_method()
 
 
-_primed = False
+_no_dynamo = False
 
 
 class TorchPatches:
