@@ -132,6 +132,7 @@ def initialize(
     max_loss_scale=2.0**24,
     dtype=None,
     fp32_modules=None,
+    float8=None,
 ):
     """Set models and optimizers up for mixed precision training at `opt_level`.
 
@@ -159,6 +160,11 @@ def initialize(
         fp32_modules (list, optional): module classes or fnmatch patterns of qualified names
             (``"blocks.*.attn"``) to run in FP32: no casting inside them at O1; FP32 parameters,
             FP32 inputs and outputs cast back at O2/O3. A pattern matching nothing is an error.
+        float8 (str, optional): "tensorwise" or "rowwise" (torchao.float8's recipes) at O1, O2
+            or O3: every ``F.linear`` call whose in and out features and tokens are multiples of
+            16 runs its forward, grad-input and grad-weight matmuls in FP8 with dynamic scales,
+            output in the level's dtype; everything else as the level says. ``fp32_modules``
+            and registering F.linear (``amp.register_float_function``) exclude layers. None: off.
 
     Returns:
         The models and optimizers in the shapes they were passed (apex's rules).
@@ -175,6 +181,7 @@ def initialize(
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False; got {enabled!r}.")
     _check_arguments(verbosity, num_losses, cast_model_outputs)
+    properties_module.check_float8(float8, None)  # the value; the opt level is checked below
     if not enabled:
         amp_state.reset()
         amp_state.initialized = True
@@ -198,7 +205,7 @@ def initialize(
         ).items()
         if value is not None
     }
-    base, properties = properties_module.resolve(opt_level, dtype, **overrides)
+    base, properties = properties_module.resolve(opt_level, dtype, float8, **overrides)
     min_loss_scale = _check_positive("min_loss_scale", min_loss_scale, allow_none=True)
     max_loss_scale = _check_positive("max_loss_scale", max_loss_scale, allow_none=True)
     if (
@@ -209,11 +216,14 @@ def initialize(
         raise ValueError(
             f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}."
         )
-    if properties.patch_torch_functions and native_autocast.any_enabled():
+    patching = properties.patch_torch_functions or properties.float8 is not None
+    if patching and native_autocast.any_enabled():
         raise RuntimeError(
-            "amp.initialize(opt_level='O1') was called inside a torch.autocast region opened "
-            "before amp was first used: torch's own autocast would cast on top of amp's. Call "
-            "amp.initialize outside it; a torch.autocast region opened afterwards is amp's."
+            f"amp.initialize(opt_level={properties.opt_level!r}"
+            f"{', float8=...' if properties.float8 else ''}) was called inside a torch.autocast "
+            "region opened before amp was first used: torch's own autocast would cast on top of "
+            "amp's. Call amp.initialize outside it; a torch.autocast region opened afterwards is "
+            "amp's."
         )
     _check_models_and_optimizers(model_list, optimizer_list, properties)
     if properties.cast_model_type or cast_model_outputs is not None:
@@ -293,10 +303,16 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
             )
     for optimizer in optimizers:
         match_state_to_params(optimizer)  # state made before the model cast
-    if properties.patch_torch_functions:
+    float8 = properties.float8
+    if properties.patch_torch_functions or float8 is not None:
+        # O2/O3 with float8 patch too, under a policy that casts nothing: only the FLOAT8_FUNCS
+        # (F.linear) do anything, in FP8; every other patched call runs as given.
+        if float8 is not None:
+            amp_state.torch_patches.use_float8()
         amp_state.torch_patches.acquire()
         ledger.add_undo("torch patches", amp_state.torch_patches.release)
-        amp_state.default_policy = policy_for(properties.dtype, properties.dtype)
+        dtype = properties.dtype if properties.patch_torch_functions else None
+        amp_state.default_policy = policy_for(dtype, dtype, float8=float8)
         ledger.add_undo("O1 policy", lambda: setattr(amp_state, "default_policy", None))
 
 

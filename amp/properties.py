@@ -2,9 +2,11 @@
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
+
+from .lists.float8_recipes import check_recipe_name
 
 DYNAMIC = "dynamic"
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
@@ -36,10 +38,14 @@ class Properties:
     master_weights: object  # True, False or None
     loss_scale: object  # a positive float, or "dynamic"
     dtype: torch.dtype = torch.float16
+    float8: Optional[str] = None  # a recipe of amp/lists/float8_recipes.py, or None (off)
 
     def options(self):
-        """The options as (name, value) pairs in apex's order, then dtype."""
-        return [(name, getattr(self, name)) for name in OPTION_NAMES] + [("dtype", self.dtype)]
+        """The options as (name, value) pairs in apex's order, then dtype (and float8 if on)."""
+        options = [(name, getattr(self, name)) for name in OPTION_NAMES] + [("dtype", self.dtype)]
+        if self.float8 is not None:
+            options.append(("float8", self.float8))
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +137,25 @@ def defaults(opt_level, dtype=torch.float16):
     return Properties(enabled=True, opt_level=level.name, dtype=dtype, **values)
 
 
-def resolve(opt_level, dtype=None, **overrides):
+def check_float8(float8, opt_level):
+    """`float8` if it names a recipe amp can run at `opt_level` (or is None), else a ValueError."""
+    float8 = check_recipe_name(float8)
+    if float8 is not None and opt_level == "O0":
+        raise ValueError(
+            f"float8={float8!r} asks for FP8 matmuls, but opt_level='O0' trains in pure FP32 "
+            "and casts nothing. Use opt_level='O1', 'O2' or 'O3' with float8, or drop float8."
+        )
+    return float8
+
+
+def resolve(opt_level, dtype=None, float8=None, **overrides):
     """Defaults of `opt_level` with every non-None override applied and validated, in apex's order.
 
     Returns (defaults, resolved) so callers can show both.
     """
     dtype = check_low_precision_dtype(dtype)
     base = defaults(opt_level, dtype)
+    float8 = check_float8(float8, base.opt_level)
     unknown = set(overrides) - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"unknown amp option(s) {sorted(unknown)}; known options: {OPTION_NAMES}")
@@ -147,6 +165,7 @@ def resolve(opt_level, dtype=None, **overrides):
         if value is None:
             continue
         values[name] = _VALIDATORS[name](value, values)
+    values["float8"] = float8
     return base, Properties(**values)
 
 

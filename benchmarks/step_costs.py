@@ -26,8 +26,10 @@ on the same data with AdamW. Workloads (workloads.py):
   work     saved for backward per step, host reads per step, and launches and bytes per parameter
            after backward, counted below autograd on FakeTensors at the end-to-end benchmark's
            real sizes (GPT-2 small, batch 8 x 1024; ResNet-50, batch 64 x 224^2; --tiny: their CI
-           sizes), with AdamW as torch defaults to on CUDA (foreach), and amp O2 with a fused
-           AdamW as one more row
+           sizes), with AdamW as torch defaults to on CUDA (foreach), and three more rows: amp O2
+           with a fused AdamW, amp O2 with float8="tensorwise" and its peer, manual O2 with
+           torchao's Float8Linear (when torchao is installed). Eager counts: FP8's scale and
+           cast ops are separate launches here, which torch.compile fuses.
   --time   the calls workloads' step time, ROUNDS rounds of --steps steps whose variant order
            rotates (harness.interleaved_rounds), each on a fresh trainer warmed up and settled
            untimed: CPU time of this thread with torch on one thread on the CPU (the host's work,
@@ -38,6 +40,7 @@ counts, not times: they do not move with the load of the machine; times do, a li
 """
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -130,10 +133,14 @@ def scaling_rows():
     return table
 
 
-# (row name, variant, optimizer): every variant with AdamW as on CUDA (foreach), and amp O2 fused.
+# (row name, variant, optimizer): every variant with AdamW as on CUDA (foreach), amp O2 fused,
+# amp O2 with float8 (F.linear in FP8), and its peer torchao's Float8Linear (if installed).
 DEVICE_WORK_ROWS = [(name, name, "foreach") for name in variants.VARIANTS] + [
-    ("amp O2 + fused AdamW", "amp O2", "fused")
+    ("amp O2 + fused AdamW", "amp O2", "fused"),
+    ("amp O2 + float8", "amp O2 + float8", "foreach"),
 ]
+if importlib.util.find_spec("torchao") is not None:
+    DEVICE_WORK_ROWS.append(("torchao float8", "torchao float8", "foreach"))
 DEVICE_WORK_COLUMNS = [
     "variant",
     "launches",

@@ -8,6 +8,9 @@
   amp O3             amp.initialize(opt_level="O3"): everything in `dtype`
   manual O2 fused    the O2 a torch user writes by hand, with AdamW(fused=True); see below
   manual O2 foreach  the same with AdamW(foreach=True)
+  amp O2 + float8    amp O2 with float8="tensorwise" (or "rowwise"): F.linear's matmuls in FP8;
+                     set up here, counted by step_costs' device-work table only
+  torchao float8     manual O2 foreach with torchao's Float8Linear swapped in (the FP8 peer)
 
 The manual O2 peer: every module but batch norm is cast to `dtype` (batch norm stays FP32, as amp
 O2 keeps it); the optimizer holds an FP32 master copy of every parameter and a persistent FP32
@@ -105,11 +108,11 @@ def _amp_autocast(model, loss_fn, dtype, optimizer):
     return Trainer(model, step, amp.deinitialize, scaler.get_scale)
 
 
-def _amp_level(opt_level):
+def _amp_level(opt_level, float8=None):
     def setup(model, loss_fn, dtype, optimizer):
         model, opt = amp.initialize(
             model, _adamw(model.parameters(), optimizer), opt_level=opt_level, dtype=dtype,
-            verbosity=0,
+            verbosity=0, float8=float8,
         )
 
         def step(inputs, targets):
@@ -143,8 +146,23 @@ def _cast_but_batch_norm(model, dtype):
                     module._buffers[name] = buffer.to(dtype)
 
 
-def _manual_o2(kind):
+def torchao_float8(model, recipe="tensorwise"):
+    """`model` with its nn.Linear layers swapped for torchao's Float8Linear (in place), where
+    their dimensions are multiples of 16 (amp's rule; torchao's own filter also skips small
+    layers). Needs torchao; amp never imports it."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def fits(module, name):
+        return all(size % 16 == 0 for size in module.weight.shape)
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(model, module_filter_fn=fits, config=config)
+
+
+def _manual_o2(kind, float8=None):
     def setup(model, loss_fn, dtype, optimizer):
+        if float8 is not None:
+            model = torchao_float8(model, float8)
         params = list(model.parameters())
         masters = [p.detach().clone() for p in params]
         master_grads = [torch.zeros_like(m) for m in masters]
@@ -182,6 +200,12 @@ SETUPS = {
     "amp O3": _amp_level("O3"),
     "manual O2 fused": _manual_o2("fused"),
     "manual O2 foreach": _manual_o2("foreach"),
+    # Not in VARIANTS (FP8 matmuls need a GPU of compute capability 8.9+ to pay): counted in
+    # step_costs' device-work table, timed by benchmarks/float8_layers.py on a GPU.
+    "amp O2 + float8": _amp_level("O2", float8="tensorwise"),
+    "amp O2 + float8 rowwise": _amp_level("O2", float8="rowwise"),
+    # The peer: manual O2 (foreach AdamW) with torchao's Float8Linear swapped in.
+    "torchao float8": _manual_o2("foreach", float8="tensorwise"),
 }
 
 

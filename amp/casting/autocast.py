@@ -7,8 +7,9 @@ import warnings
 import torch
 
 from .._state import amp_state
+from ..lists.float8_recipes import check_recipe_name
 from . import native_autocast as native_state
-from .casts import DEVICE_FILTERS, DEVICE_TYPES, LOW_PRECISION, cast_tree, with_device
+from .casts import DEVICE_FILTERS, DEVICE_TYPES, KEEP, LOW_PRECISION, cast_tree, with_device
 
 
 @contextlib.contextmanager
@@ -41,15 +42,21 @@ def disable_casts():
         yield
 
 
-def enter_region(device_type, dtype, cache_enabled):
+def enter_region(device_type, dtype, cache_enabled, float8=KEEP):
     """Open a casting region in this thread: on `device_type` (None: cpu and cuda) amp casts to
-    `dtype` (None: not at all) until `exit_region(token)`. amp.autocast and torch.autocast (while
-    amp's patches are installed) both come here, so the two nest as one stack of regions."""
+    `dtype` (None: not at all) until `exit_region(token)`, and runs F.linear in FP8 with recipe
+    `float8` (None: not; KEEP: as the enclosing policy does). amp.autocast and torch.autocast
+    (while amp's patches are installed) both come here, so the two nest as one stack of
+    regions."""
     thread = amp_state.thread
     patches = amp_state.torch_patches
+    if float8 is not KEEP and float8 is not None:
+        patches.use_float8()  # F.linear's FP8 wrapper, from now until the patches are dropped
     patches.acquire()  # installs the patches on first use; they stay until amp.deinitialize()
     saved = thread.policy
-    thread.policy = with_device(amp_state.current_policy(), device_type, dtype, cache_enabled)
+    thread.policy = with_device(
+        amp_state.current_policy(), device_type, dtype, cache_enabled, float8
+    )
     thread.autocast_depth += 1
     # A torch.autocast region opened before amp's patches were installed set torch's own state;
     # amp's region turns it off for its devices so that torch's dispatcher does not cast too.
@@ -103,8 +110,9 @@ class autocast:
     (checkpoint recomputation, `custom_fwd`, libraries' FP32 islands) are amp regions too.
 
     Accepts amp's form ``autocast(enabled=True, dtype=torch.float16, cache_enabled=True,
-    device_type=None)`` and torch's ``autocast("cuda", dtype=None, enabled=True,
-    cache_enabled=None)``, where dtype None means the device's current autocast dtype.
+    device_type=None, *, float8=None)`` and torch's ``autocast("cuda", dtype=None, enabled=True,
+    cache_enabled=None, *, float8=None)``, where dtype None means the device's current autocast
+    dtype.
 
     Args:
         enabled (bool, optional, default=True): whether the region casts.
@@ -114,6 +122,9 @@ class autocast:
         device_type (str, optional, default=None): ``"cpu"`` or ``"cuda"`` to cast only tensors
             on that device; None casts tensors on every device. ``"cuda"`` on a machine without
             CUDA warns and turns the region off, as torch.autocast does.
+        float8 (str, optional, default=None): ``"tensorwise"`` or ``"rowwise"`` runs the
+            matmuls of ``F.linear`` calls whose shapes FP8 tensor cores take in FP8 (torchao's
+            recipe of that name), on every device; None does not. Keyword only.
 
     Example::
 
@@ -128,6 +139,7 @@ class autocast:
         if len(args) > len(names):
             raise TypeError(f"autocast takes at most {len(names)} positional arguments")
         given = dict(zip(names, args))
+        float8 = kwargs.pop("float8", None)
         for name, value in kwargs.items():
             if name not in _AMP_FORM:
                 raise TypeError(f"autocast() got an unexpected keyword argument {name!r}")
@@ -163,11 +175,18 @@ class autocast:
         self.dtype = dtype
         self.cache_enabled = cache_enabled
         self.device_type = device_type
+        self.float8 = check_recipe_name(float8, "autocast(float8=...)")
         self._tokens = []  # one per active entry of this object, for re-entrant use
 
     def __enter__(self):
+        enabled = self.enabled
         self._tokens.append(
-            enter_region(self.device_type, self.dtype if self.enabled else None, self.cache_enabled)
+            enter_region(
+                self.device_type,
+                self.dtype if enabled else None,
+                self.cache_enabled,
+                self.float8 if enabled else None,
+            )
         )
         return self
 
@@ -186,6 +205,7 @@ class autocast:
             dtype=self.dtype,
             cache_enabled=self.cache_enabled,
             device_type=self.device_type,
+            float8=self.float8,
         )
 
         @functools.wraps(func)

@@ -102,13 +102,23 @@ class CastPolicy:
     lower-precision and FP32 calls in that order; None for a different dtype per device.
     """
 
-    __slots__ = ("cpu", "cuda", "cache_enabled", "device_filter", "to_low", "to_fp32", "fast")
+    __slots__ = (
+        "cpu", "cuda", "cache_enabled", "float8", "device_filter", "to_low", "to_fp32", "fast"
+    )
 
-    def __init__(self, cpu, cuda, cache_enabled=True):
+    def __init__(self, cpu, cuda, cache_enabled=True, float8=None):
         self.cpu = cpu
         self.cuda = cuda
         self.cache_enabled = cache_enabled
+        self.float8 = float8  # a recipe name (amp/lists/float8_recipes.py), or None
         cache = amp_state.cast_cache if cache_enabled else None
+        if cpu is None and cuda is None:
+            # float8 alone (O2/O3 with float8=...): the FLOAT8_FUNCS run in FP8, every other
+            # patched call as given. No tensor is the policy's, so nothing is cast or refused.
+            self.device_filter = _no_device
+            self.to_low = self.to_fp32 = _cast_nothing
+            self.fast = (_NO_CASTS, _NO_CASTS)
+            return
         if cpu is cuda:
             self.device_filter = None
             self.to_low = _converter(cpu, CASTABLE - {cpu}, None, cache)
@@ -147,7 +157,11 @@ class CastPolicy:
         return self.cuda if tensor.is_cuda else self.cpu
 
     def __repr__(self):
-        return f"CastPolicy(cpu={self.cpu}, cuda={self.cuda}, cache_enabled={self.cache_enabled})"
+        float8 = f", float8={self.float8!r}" if self.float8 is not None else ""
+        return (
+            f"CastPolicy(cpu={self.cpu}, cuda={self.cuda}, cache_enabled={self.cache_enabled}"
+            f"{float8})"
+        )
 
 
 class FastCast(tuple):
@@ -167,6 +181,19 @@ class FastCast(tuple):
         return tuple.__new__(cls, fields)
 
 
+def _no_device(tensor):
+    return False
+
+
+def _cast_nothing(values):
+    return None
+
+
+# The fast settings of a policy that casts nothing: no source dtype, so the wrappers' inlined
+# loop passes every tensor through.
+_NO_CASTS = tuple.__new__(FastCast, (None, frozenset(), None, None, None, None, _cast_nothing))
+
+
 def _chain(first, second):
     """A converter applying `first`, then `second` to its result."""
 
@@ -179,24 +206,32 @@ def _chain(first, second):
 
 
 @functools.lru_cache(maxsize=None)
-def policy_for(cpu, cuda, cache_enabled=True):
-    """The policy casting to `cpu` / `cuda` on those devices (None: off there), or None when it
-    casts nothing. Policies are immutable; one object is shared per configuration."""
-    if cpu is None and cuda is None:
+def policy_for(cpu, cuda, cache_enabled=True, float8=None):
+    """The policy casting to `cpu` / `cuda` on those devices (None: off there) and running the
+    FLOAT8_FUNCS in FP8 with recipe `float8` (None: off), or None when it does neither.
+    Policies are immutable; one object is shared per configuration."""
+    if cpu is None and cuda is None and float8 is None:
         return None
-    return CastPolicy(cpu, cuda, cache_enabled)
+    return CastPolicy(cpu, cuda, cache_enabled, float8)
 
 
-def with_device(policy, device_type, dtype, cache_enabled):
+KEEP = object()  # with_device(float8=KEEP): the policy's float8 recipe as it is
+
+
+def with_device(policy, device_type, dtype, cache_enabled, float8=KEEP):
     """`policy` with the dtype of `device_type` changed to `dtype` (None: casting off there);
-    `device_type` None changes every device."""
+    `device_type` None changes every device. Its float8 recipe stays unless `float8` is given:
+    torch.autocast regions (checkpoint recomputation, FP32 islands) change dtypes only, as a
+    module swap such as torchao's Float8Linear ignores them."""
     cpu = policy.cpu if policy is not None else None
     cuda = policy.cuda if policy is not None else None
+    if float8 is KEEP:
+        float8 = policy.float8 if policy is not None else None
     if device_type in (None, "cpu"):
         cpu = dtype
     if device_type in (None, "cuda"):
         cuda = dtype
-    return policy_for(cpu, cuda, cache_enabled)
+    return policy_for(cpu, cuda, cache_enabled, float8)
 
 
 class WeightCastCache:

@@ -56,6 +56,7 @@ class _TorchRegion:
     cpu = property(lambda self: self._ask("cpu", None))
     cuda = property(lambda self: self._ask("cuda", None))
     cache_enabled = property(lambda self: self._ask("cache_enabled", True))
+    float8 = property(lambda self: self._ask("float8", None))
     device_filter = property(lambda self: self._ask("device_filter", _nothing))
 
     fast = (None, None)  # the wrappers call to_low / to_fp32 below: they answer as of now
@@ -148,7 +149,9 @@ def _cache_enabled(policy):
 
 
 def _any_enabled(policy):
-    return NotImplemented if policy is None else True
+    if policy is None or (policy.cpu is None and policy.cuda is None):  # none, or float8 alone
+        return NotImplemented
+    return True
 
 
 def _cpu_enabled(policy):

@@ -15,9 +15,33 @@ from .. import lists
 from .._state import amp_state
 from . import torch_autocast, torchscript
 from ..patching import PatchLedger
+from .float8_wrapper import make_float8_wrapper
 from .wrappers import make_wrapper
 
 logger = logging.getLogger("amp")
+
+
+def _prime_dynamo():
+    """Have torch.compile build its tables of torch's functions now, from the originals, before
+    amp's patches replace them. Dynamo reads them from their modules and keys its rules by
+    identity: built while amp's patches are installed, the table names amp's wrappers and lacks
+    the originals they call, so every patched call breaks the graph (`fullgraph=True` fails).
+    It builds them on first use and rebuilds them after `init_process_group` clears them, so
+    this runs at every install (cached, it costs nothing); the first pays Dynamo's import (a
+    second or two) where nothing imported it before."""
+    global _no_dynamo
+    if _no_dynamo:
+        return
+    try:
+        from torch._dynamo import trace_rules
+    except ImportError:  # a torch without Dynamo: nothing to prime
+        _no_dynamo = True
+        return
+    trace_rules.get_torch_obj_rule_map()
+    trace_rules.get_tensor_method()
+
+
+_no_dynamo = False
 
 
 class TorchPatches:
@@ -26,6 +50,9 @@ class TorchPatches:
         self._ledger = None
         self._built = {}  # (namespace object id, name) -> AttributePatch, reused across installs
         self._plan_cache = None
+        # The FLOAT8_FUNCS get their FP8 wrappers once a policy asks for float8 (use_float8),
+        # until the patches are removed: F.linear pays for no float8 check in runs without it.
+        self.float8 = False
 
     @property
     def installed(self):
@@ -63,6 +90,16 @@ class TorchPatches:
     def _uninstall(self):
         ledger, self._ledger = self._ledger, None
         ledger.restore()
+        if self.float8:
+            self.float8 = False
+            self._forget()
+
+    def use_float8(self):
+        """Wrap the FLOAT8_FUNCS for FP8 from now on (rebuilt now if the patches are installed)."""
+        with amp_state.lock:
+            if not self.float8:
+                self.float8 = True
+                self.refresh()
 
     def refresh(self):
         """Rebuild after a registration changed the plan; a no-op when nothing is installed."""
@@ -88,6 +125,12 @@ class TorchPatches:
     def _make_plan(self):
         registered = amp_state.user_registrations
         overridden = {(id(namespace), name) for namespace, name in registered}
+        float8 = set()
+        if self.float8:
+            float8 = {
+                (id(lists.resolve_namespace(entry.namespace)), entry.name)
+                for entry in lists.float8_entries()
+            }
         plan = []
         for entry in lists.entries():
             namespace = lists.resolve_namespace(entry.namespace)
@@ -96,7 +139,10 @@ class TorchPatches:
             if not hasattr(namespace, entry.name):
                 logger.debug("amp: %s is not in this torch; not patched", entry.qualified_name)
                 continue
-            plan.append((namespace, entry.name, entry.kind, entry.message, entry.qualified_name))
+            kind = entry.kind
+            if kind == lists.LOWER_PRECISION and (id(namespace), entry.name) in float8:
+                kind = lists.FLOAT8  # its C binding follows (_bindings)
+            plan.append((namespace, entry.name, kind, entry.message, entry.qualified_name))
         for (namespace, name), kind in registered.items():
             display = f"{getattr(namespace, '__name__', type(namespace).__name__)}.{name}"
             plan.append((namespace, name, kind, None, display))
@@ -105,7 +151,9 @@ class TorchPatches:
             (
                 namespace,
                 name,
-                functools.partial(make_wrapper, kind=kind, name=display, message=message),
+                functools.partial(make_float8_wrapper, name=display)
+                if kind == lists.FLOAT8
+                else functools.partial(make_wrapper, kind=kind, name=display, message=message),
             )
             for namespace, name, kind, message, display in self._without_delegates(plan, overridden)
         ]
@@ -144,6 +192,7 @@ class TorchPatches:
         return [step for step in plan if (id(step[0]), step[1]) not in skipped]
 
     def _install(self):
+        _prime_dynamo()
         ledger = PatchLedger()
         try:
             plan = self._plan()

@@ -6,15 +6,22 @@ The FP32 run (amp's casting off) is the reference: every module's outputs are ke
 module returns. Both runs start from the same weights, buffers and RNG state, and all three are
 put back afterwards (a buffer a forward changed, such as batch norm's running stats, is copied
 back). Nothing is stepped, so the optimizer is untouched.
+
+With `float8=` (or `dtype="float8"`) the low run is O1 with F.linear in FP8, and each module is
+fed the inputs it had in the FP32 run: its error is its own, not the sum of the errors before it
+(an FP8 layer with outliers in its weight or input would otherwise hand its error to every module
+after it). A third run, FP8 from end to end, gives the loss the report prints.
 """
 
 import math
 import random
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .._state import amp_state
 from ..casting.autocast import autocast, disable_casts
+from ..lists.float8_recipes import check_recipe_name
 from ..scaling.scaler import DEFAULT_INIT_SCALE
 from .report import AuditReport, AuditRow
 
@@ -94,6 +101,8 @@ class _Module:
         self.error_sq = self.reference_sq = 0.0
         self.low_nonfinite = False
         self.grad_nonzero = self.grad_flushed = 0
+        self.inputs = []  # per call: (args, kwargs) of the FP32 run, for the float8 audit
+        self.replayed = 0  # calls of the low run that took them
 
     def row(self, dtype, with_grads):
         headroom = torch.finfo(dtype).max / self.max_abs if self.max_abs > 0 else math.inf
@@ -112,6 +121,15 @@ class _Module:
         )
 
 
+def _dtype_and_float8(dtype, float8):
+    """(low-precision dtype, float8 recipe or None): dtype "float8" is bfloat16 around
+    float8 "tensorwise" (or the recipe given)."""
+    float8 = check_recipe_name(float8, "amp.audit: float8")
+    if isinstance(dtype, str) and dtype == "float8":
+        return torch.bfloat16, float8 or "tensorwise"
+    return dtype, float8
+
+
 def _check(fn, model, dtype):
     if not callable(fn):
         raise TypeError(
@@ -123,7 +141,7 @@ def _check(fn, model, dtype):
     if dtype not in _LOW:
         raise ValueError(
             f"amp.audit: dtype must be torch.float16 or torch.bfloat16, the low-precision types "
-            f"amp casts to; got {dtype!r}."
+            f"amp casts to, or \"float8\" (FP8 linears around bfloat16); got {dtype!r}."
         )
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype is not torch.float32:
@@ -146,19 +164,25 @@ def _loss_scale(loss_scale):
     return float(loss_scale)
 
 
-def audit(fn, model, dtype=torch.float16, loss_scale=None):
-    """Measure how each module of `model` fares in `dtype` against FP32.
+def audit(fn, model, dtype=torch.float16, loss_scale=None, float8=None):
+    """Measure how each module of `model` fares in `dtype` (and FP8) against FP32.
 
     `fn()` runs a forward of `model` and returns the loss. amp calls it twice: once in FP32 and
     once at O1 in `dtype`, from the same weights and RNG state; afterwards the weights, buffers
     and RNG state are as before, and no `.grad` or optimizer has changed.
 
+    With `float8` (or ``dtype="float8"``) the low run has F.linear in FP8 with that recipe, and
+    every module runs on the inputs it had in FP32, so that its relative error is the one FP8
+    adds there (which layers lose accuracy in FP8); a third run gives the end-to-end FP8 loss.
+
     Args:
         fn: a callable taking no arguments that returns the loss (a tensor).
         model (torch.nn.Module): the FP32 model `fn` runs (before amp.initialize, or at O1).
-        dtype (torch.dtype, default=torch.float16): torch.float16 or torch.bfloat16.
+        dtype (torch.dtype or str, default=torch.float16): torch.float16 or torch.bfloat16, or
+            "float8": bfloat16 with float8 "tensorwise" (unless `float8` names the recipe).
         loss_scale (float, optional): the scale for the gradient underflow column; default the
             current scale of amp's first loss scaler, or 65536 without amp.initialize.
+        float8 (str, optional): "tensorwise" or "rowwise": audit F.linear in FP8.
 
     Returns:
         An AuditReport: ``.rows`` worst first (``.module``, ``.headroom``, ``.relative_error``,
@@ -170,25 +194,32 @@ def audit(fn, model, dtype=torch.float16, loss_scale=None):
         print(report)
         print(report.suggest())
     """
+    dtype, float8 = _dtype_and_float8(dtype, float8)
     _check(fn, model, dtype)
     scale = _loss_scale(loss_scale)
     names = {}
     for name, module in model.named_modules():
         names.setdefault(module, _Module(name, type(module).__name__))
     with amp_state.origin_watch.paused():  # after a skip: the audit is not the watched step
-        loss_fp32, loss_low, with_grads = _runs(fn, model, names, dtype, scale)
+        loss_fp32, loss_low, with_grads = _runs(fn, model, names, dtype, scale, float8)
     rows = [record.row(dtype, with_grads) for record in names.values() if record.calls]
-    return AuditReport(rows, dtype, scale, _scalar(loss_fp32), _scalar(loss_low))
+    return AuditReport(rows, dtype, scale, _scalar(loss_fp32), _scalar(loss_low), float8)
 
 
-def _runs(fn, model, names, dtype, scale):
+def _runs(fn, model, names, dtype, scale, float8):
     """The FP32 run, its output gradients, and the low-precision run, from the same start;
-    the model and RNG put back afterwards, also when `fn` raises."""
+    the model and RNG put back afterwards, also when `fn` raises. With `float8`, each module
+    of the low run takes its FP32 inputs, and the loss comes from one more, plain FP8 run."""
     snapshot = _Snapshot(model)
     handles = []
     try:
         returned = []  # the modules in the order their first call returned
         handles = [m.register_forward_hook(_recorder(names[m], dtype, returned)) for m in names]
+        if float8 is not None:
+            handles += [
+                m.register_forward_pre_hook(_input_recorder(names[m]), with_kwargs=True)
+                for m in names
+            ]
         with disable_casts():
             loss_fp32 = fn()
         with_grads = _gradients(loss_fp32, names.values(), dtype, scale)
@@ -196,13 +227,49 @@ def _runs(fn, model, names, dtype, scale):
             handle.remove()
         snapshot.restore()
         handles = [m.register_forward_hook(_comparer(names[m], dtype)) for m in names]
-        with autocast(dtype=dtype):
+        if float8 is not None:
+            handles += [
+                m.register_forward_pre_hook(_input_replayer(names[m]), with_kwargs=True)
+                for m in names
+            ]
+        with autocast(dtype=dtype, float8=float8):
             loss_low = fn()
+        if float8 is not None:
+            for handle in handles:
+                handle.remove()
+            handles = []
+            snapshot.restore()
+            with autocast(dtype=dtype, float8=float8):
+                loss_low = fn()
     finally:
         for handle in handles:
             handle.remove()
         snapshot.restore()
     return loss_fp32, loss_low, with_grads
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().clone()
+    return value
+
+
+def _input_recorder(record):
+    def hook(module, args, kwargs):
+        record.inputs.append(tree_map(_detached, (args, kwargs)))
+
+    return hook
+
+
+def _input_replayer(record):
+    def hook(module, args, kwargs):
+        index = record.replayed
+        record.replayed += 1
+        if index < len(record.inputs):  # else a call the FP32 run did not make: as it comes
+            return record.inputs[index]
+        return None
+
+    return hook
 
 
 def _scalar(loss):

@@ -8,6 +8,9 @@ from typing import List, Optional
 # the growth of a few more steps: keep it in FP32.
 HEADROOM_MARGIN = 2.0
 UNDERFLOW_LIMIT = 0.01  # fraction of values flushed to zero above which precision is lost
+# A module whose FP8 output is further than this from FP32 (relative error; 20 dB of SQNR, where
+# torchao's own tests of an FP8 linear ask for 18-25 dB) is better kept out of FP8.
+FLOAT8_ERROR_LIMIT = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +54,10 @@ def _number(value, digits=3):
 class AuditReport:
     """What `amp.audit` measured: `.rows` worst first; `str()` a table; `suggest()` advice."""
 
-    def __init__(self, rows: List[AuditRow], dtype, loss_scale, loss_fp32, loss_low):
+    def __init__(self, rows: List[AuditRow], dtype, loss_scale, loss_fp32, loss_low, float8=None):
         self.rows = sorted(rows, key=AuditRow._sort_key)
         self.dtype = dtype
+        self.float8 = float8  # the recipe F.linear ran in FP8 with, or None
         self.loss_scale = loss_scale
         self.loss_fp32 = loss_fp32  # the loss fn() returned, in FP32 and in `dtype`
         self.loss_low = loss_low
@@ -85,12 +89,20 @@ class AuditReport:
             for line in [header] + lines
         ]
         table.insert(1, "  ".join("-" * width for width in widths))
+        low = dtype if self.float8 is None else f"float8 ({self.float8}, {dtype} around it)"
         table.insert(
             0,
-            f"amp.audit: {dtype} against float32, loss scale {self.loss_scale:g}; loss "
-            f"{self.loss_fp32:.6g} in float32, {self.loss_low:.6g} in {dtype}",
+            f"amp.audit: {low} against float32, loss scale {self.loss_scale:g}; loss "
+            f"{self.loss_fp32:.6g} in float32, {self.loss_low:.6g} in {low}",
         )
+        if self.float8 is not None:
+            table.insert(1, "each module ran on its float32 inputs: its error is the one FP8 adds")
         return "\n".join(table)
+
+    def _flagged(self, row):
+        if row.headroom < HEADROOM_MARGIN or row.underflow > UNDERFLOW_LIMIT:
+            return True
+        return self.float8 is not None and row.relative_error > FLOAT8_ERROR_LIMIT
 
     __repr__ = __str__
 
@@ -98,16 +110,13 @@ class AuditReport:
         """The modules to keep in FP32, as `fp32_modules` takes them.
 
         A module is flagged when its output overflows the dtype or comes within a factor
-        HEADROOM_MARGIN of its max, or loses more than UNDERFLOW_LIMIT of its values to zero.
+        HEADROOM_MARGIN of its max, or loses more than UNDERFLOW_LIMIT of its values to zero, or
+        (a float8 audit) is further than FLOAT8_ERROR_LIMIT from FP32.
         A module whose submodules that ran are all flagged (with itself) is named instead of
         them; a flagged module with healthy parts is left to its flagged parts; never the whole
         model.
         """
-        flagged = {
-            row.module
-            for row in self.rows
-            if row.headroom < HEADROOM_MARGIN or row.underflow > UNDERFLOW_LIMIT
-        }
+        flagged = {row.module for row in self.rows if self._flagged(row)}
         names = [row.module for row in self.rows]
 
         def whole(name):
@@ -133,8 +142,13 @@ class AuditReport:
                     if row.overflows
                     else f"its output comes within {row.headroom:.3g}x of {dtype}'s max"
                 )
-            else:
+            elif row.underflow > UNDERFLOW_LIMIT:
                 why = f"{row.underflow:.1%} of its output underflows to zero in {dtype}"
+            else:
+                why = (
+                    f"in float8 ({self.float8}) its output is {row.relative_error:.3g} from "
+                    "FP32's, relative"
+                )
             lines.append(f"- keep {name or '(the whole model)'} ({row.op}) in FP32: {why}")
         if keep:
             patterns = ", ".join(repr(name) for name in keep)
@@ -149,8 +163,14 @@ class AuditReport:
                     f"it and overflows there again: train at O1 (fp32_modules=[{patterns}]), or "
                     "keep in FP32 a module that holds it and the modules that take its output."
                 )
+            if self.float8 is not None and self.float8 != "rowwise":
+                lines.append(
+                    "Or try float8='rowwise': a scale per row keeps an outlier from taking the "
+                    "range of the whole tensor."
+                )
         else:
-            lines.append(f"Nothing needs to stay in FP32: every module fits {dtype}.")
+            fits = dtype if self.float8 is None else f"float8 ({self.float8})"
+            lines.append(f"Nothing needs to stay in FP32: every module fits {fits}.")
         starving = [
             row.module or "(model)"
             for row in self.rows

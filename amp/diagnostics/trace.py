@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._state import amp_state
+from ..lists import FLOAT8
 
 
 def _dtype_name(dtype):
@@ -30,7 +31,7 @@ class TraceRecord:
     """One patched call: the op, the policy that applied, and the dtypes before and after."""
 
     op: str
-    policy: str  # the table kind, e.g. "lower_precision"; "off" when no casting was in force
+    policy: str  # the table kind, e.g. "lower_precision" or "float8"; "off" when none applied
     input_dtypes: Tuple[torch.dtype, ...]
     ran_in: Optional[torch.dtype]
     output_dtype: Optional[torch.dtype]
@@ -82,20 +83,29 @@ class Trace:
     __repr__ = __str__
 
 
-def traced_call(original, name, kind, policy, new, args, kwargs):
-    """Run a patched call and record it in the thread's active trace."""
+def _applies(policy, kind):
+    """Whether `policy` (None: no casting) decides calls of `kind`: a policy with a float8 recipe
+    and no dtype (O2/O3 with float8) decides only the FP8 ones."""
+    if policy is None:
+        return False
+    return kind == FLOAT8 or policy.cpu is not None or policy.cuda is not None
+
+
+def traced_call(original, name, kind, policy, new, args, kwargs, ran_in=None):
+    """Run a patched call and record it in the thread's active trace. `ran_in`: the dtype it
+    computes in where its arguments do not say (an FP8 matmul takes them in higher precision)."""
     call_args, call_kwargs = (args, kwargs) if new is None else new
     result = original(*call_args, **call_kwargs)
     inputs = tuple(_floating_dtypes(args) + _floating_dtypes(kwargs.values()))
     explicit = kwargs.get("dtype") if kwargs else None
-    ran_in = explicit or next(
+    ran_in = ran_in or explicit or next(
         iter(_floating_dtypes(call_args) + _floating_dtypes(call_kwargs.values())), None
     )
     outputs = _floating_dtypes(result if isinstance(result, (list, tuple)) else (result,))
     amp_state.thread.trace.records.append(
         TraceRecord(
             op=name,
-            policy=kind if policy is not None else "off",
+            policy=kind if _applies(policy, kind) else "off",
             input_dtypes=inputs,
             ran_in=ran_in,
             output_dtype=outputs[0] if outputs else None,

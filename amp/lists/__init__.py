@@ -18,6 +18,10 @@ FP32 = "fp32"  # FP32_FUNCS: run in float32
 PROMOTE = "promote"  # CASTS: run in the widest floating type among the arguments
 SEQUENCE_PROMOTE = "sequence_promote"  # SEQUENCE_CASTS: the same over a sequence argument
 BANNED = "banned"  # BANNED_FUNCS: refuse low-precision inputs, with advice
+# FLOAT8_FUNCS: functions with F.linear's signature whose matmuls run in FP8 where a policy asks
+# for float8 (amp.initialize / amp.autocast(float8=...)) and the shapes fit; in the
+# low-precision dtype otherwise, so each is in FP16_FUNCS too.
+FLOAT8 = "float8"
 
 TABLES = (
     torch_overrides,
@@ -120,6 +124,15 @@ def entries():
                 yield Entry(table.MODULE, name, kind)
         for name, message in table.BANNED_FUNCS:
             yield Entry(table.MODULE, name, BANNED, message)
+
+
+def float8_entries():
+    """The tables' FLOAT8_FUNCS as entries of kind FLOAT8 (a table without them need not define
+    them). They are not among `entries()`: each is listed in FP16_FUNCS as well, which is its
+    policy when float8 is off."""
+    for table in TABLES:
+        for name in getattr(table, "FLOAT8_FUNCS", ()):
+            yield Entry(table.MODULE, name, FLOAT8)
 
 
 def delegates():

@@ -73,6 +73,11 @@ FP32_FUNCS = (
 # choice back.
 INPUT_DTYPE_FUNCS = ("gelu",)
 
+# Where float8 is on (amp.initialize / amp.autocast(float8=...)), these run their three matmuls
+# in FP8 when in features, out features and tokens are multiples of 16 (amp/casting/float8.py);
+# otherwise, and where float8 is off, they keep their FP16_FUNCS policy.
+FLOAT8_FUNCS = ("linear",)
+
 CASTS = ("bilinear",)
 
 SEQUENCE_CASTS = ()
