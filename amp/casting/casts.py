@@ -191,7 +191,7 @@ def _cast_nothing(values):
 
 # The fast settings of a policy that casts nothing: no source dtype, so the wrappers' inlined
 # loop passes every tensor through.
-_NO_CASTS = tuple.__new__(FastCast, (None, frozenset(), None, None, None, None, _cast_nothing))
+_NO_CASTS = tuple.__new__(FastCast, (None, frozenset(), None, None, None, _cast_nothing))
 
 
 def _chain(first, second):
