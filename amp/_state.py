@@ -4,6 +4,8 @@ import collections.abc
 import logging
 import threading
 
+__all__ = ["logger", "INHERIT", "ThreadState", "Registrations", "AmpState", "amp_state"]
+
 logger = logging.getLogger("amp")
 logger.addHandler(logging.NullHandler())
 

@@ -12,6 +12,18 @@ import sys
 
 import torch
 
+__all__ = [
+    "dtensor_class",
+    "is_distributed",
+    "reduce_flag",
+    "agree_on_flags",
+    "local",
+    "local_tensors",
+    "has_dtensors",
+    "clean_name",
+    "nonfinite_names",
+]
+
 
 def dtensor_class():
     """torch's DTensor class, or None while torch.distributed.tensor is not imported."""
@@ -28,8 +40,8 @@ def is_distributed():
     """True when a default process group of more than one rank is initialized.
 
     It runs every step: torch.distributed.is_initialized() read directly (the default group, read
-    now: one can be made or destroyed at any time), without its four Python calls (the
-    `default_pg` property included). The world is read now too: torch's threaded process groups
+    now: one can be made or destroyed at any time), without the Python calls of torch's helper
+    and its `default_pg` property. The world is read now too: torch's threaded process groups
     (its multi-threaded tests) put a thread-local world in its place."""
     if not _AVAILABLE:
         return False

@@ -4,6 +4,8 @@ import collections
 import logging
 import re
 import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -19,6 +21,8 @@ from .weights import model as model_module
 from .weights import optimizer as optimizer_module
 from .weights.masters import match_state_to_params
 from .weights.snapshot import Snapshot
+
+__all__ = ["initialize", "deinitialize", "state_dict", "load_state_dict", "master_params"]
 
 _VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)\Z")
@@ -46,8 +50,7 @@ def _check_positive(name, value, allow_none):
 
 
 def _check_arguments(verbosity, num_losses, cast_model_outputs):
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int) or verbosity < 0:
-        raise ValueError(f"verbosity must be 0, 1 or 2; got {verbosity!r}.")
+    properties_module.check_verbosity(verbosity, "verbosity")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses must be a positive int; got {num_losses!r}.")
     if cast_model_outputs is not None and (
@@ -104,7 +107,7 @@ def _log_properties(base, properties):
 def _set_verbosity(verbosity, ledger):
     """Route amp's progress messages by `verbosity`; show them on stderr if nothing else would."""
     previous_level = logger.level
-    logger.setLevel(_VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
+    logger.setLevel(_VERBOSITY_LEVELS[verbosity])
     ledger.add_undo("logger level", lambda: logger.setLevel(previous_level))
     root_handles = logging.getLogger().handlers
     own = [h for h in logger.handlers if not isinstance(h, logging.NullHandler)]
@@ -116,24 +119,24 @@ def _set_verbosity(verbosity, ledger):
 
 
 def initialize(
-    models,
-    optimizers=None,
-    enabled=True,
-    opt_level="O1",
-    cast_model_type=None,
-    patch_torch_functions=None,
-    keep_batchnorm_fp32=None,
-    master_weights=None,
-    loss_scale=None,
-    cast_model_outputs=None,
-    num_losses=1,
-    verbosity=1,
-    min_loss_scale=None,
-    max_loss_scale=2.0**24,
-    dtype=None,
-    fp32_modules=None,
-    float8=None,
-):
+    models: torch.nn.Module | Sequence[torch.nn.Module],
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    dtype: torch.dtype | None = None,
+    fp32_modules: Sequence[type | str] | None = None,
+    float8: str | None = None,
+) -> Any:
     """Set models and optimizers up for mixed precision training at `opt_level`.
 
     O0 trains in FP32; O1 casts around torch functions from the tables in `amp/lists`; O2 casts
@@ -316,7 +319,7 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
         ledger.add_undo("O1 policy", lambda: setattr(amp_state, "default_policy", None))
 
 
-def deinitialize():
+def deinitialize() -> None:
     """Undo `amp.initialize` completely.
 
     Every patched torch attribute is the original object again, model hooks are removed,
@@ -340,7 +343,7 @@ def _check_initialized(caller):
         raise RuntimeError(f"{caller} needs amp.initialize(...) to have been called first.")
 
 
-def state_dict(destination=None):
+def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """The loss scalers' state: {"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}.
 
     Plain Python values only (readable with ``torch.load(..., weights_only=True)``); apex's format.
@@ -353,7 +356,7 @@ def state_dict(destination=None):
     return destination
 
 
-def load_state_dict(state_dict):
+def load_state_dict(state_dict: Mapping[str, Any]) -> None:
     """Load what `amp.state_dict()` (or apex's) saved. A malformed dict raises and loads nothing."""
     _check_initialized("amp.load_state_dict()")
     if not amp_state.enabled:
@@ -412,7 +415,7 @@ def load_state_dict(state_dict):
             )
 
 
-def master_params(optimizer):
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """Yield the parameters `optimizer` steps: the FP32 masters under O2 (for gradient clipping).
 
     Example::

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+__all__ = ["DTYPES", "LowPrecisionSupport", "cpu_support", "cuda_support", "support"]
+
 # x86 CPU features (torch.cpu.get_capabilities() names) that run each dtype fast.
 _X86_UNITS = {
     torch.float16: ("amx_fp16", "avx512_fp16"),

@@ -5,6 +5,15 @@ import warnings
 
 import wrapt
 
+__all__ = [
+    "ORIGINAL_ATTRIBUTE",
+    "is_amp_replacement",
+    "qualified_name",
+    "AttributePatch",
+    "Undo",
+    "PatchLedger",
+]
+
 # Replacement functions carry their original here, for tests and readers (amp's wrappers set it).
 ORIGINAL_ATTRIBUTE = "__amp_original__"
 

@@ -8,6 +8,24 @@ import torch
 
 from .lists.float8_recipes import check_recipe_name
 
+__all__ = [
+    "DYNAMIC",
+    "LOW_PRECISION_DTYPES",
+    "LOW_PRECISION",
+    "OPTION_NAMES",
+    "Properties",
+    "OptLevel",
+    "OPT_LEVELS",
+    "check_opt_level",
+    "check_low_precision_dtype",
+    "defaults",
+    "check_float8",
+    "resolve",
+    "check_verbosity",
+    "check_loss_scale",
+    "format_options",
+]
+
 DYNAMIC = "dynamic"
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -156,11 +174,13 @@ def resolve(opt_level, dtype=None, float8=None, **overrides):
     dtype = check_low_precision_dtype(dtype)
     base = defaults(opt_level, dtype)
     float8 = check_float8(float8, base.opt_level)
-    unknown = set(overrides) - set(OPTION_NAMES)
+    unknown = set(overrides) - set(_VALIDATORS)
     if unknown:
-        raise TypeError(f"unknown amp option(s) {sorted(unknown)}; known options: {OPTION_NAMES}")
+        raise TypeError(
+            f"unknown amp option(s) {sorted(unknown)}; known options: {tuple(_VALIDATORS)}"
+        )
     values = dataclasses.asdict(base)
-    for name in OPTION_NAMES:
+    for name in _VALIDATORS:  # apex's order: cast_model_type is checked before the flags
         value = overrides.get(name)
         if value is None:
             continue
@@ -176,19 +196,6 @@ def _bool_option(name, value):
     if isinstance(value, bool):
         return value
     raise TypeError(f"{name} must be True, False, 'True', 'False' or None; got {value!r}.")
-
-
-def _enabled(value, values):
-    return _bool_option("enabled", value)
-
-
-def _opt_level(value, values):
-    if value != values["opt_level"]:
-        raise ValueError(
-            f"opt_level override {value!r} disagrees with the selected opt level "
-            f"{values['opt_level']!r}; pass one opt_level."
-        )
-    return value
 
 
 def _cast_model_type(value, values):
@@ -244,6 +251,13 @@ def _loss_scale(value, values):
     return check_loss_scale(value)
 
 
+def check_verbosity(value: object, what: str) -> int:
+    """0 (quiet), 1 (amp's messages) or 2 (with detail: the parameters a skip was due to)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2):
+        raise ValueError(f"{what} must be 0, 1 or 2; got {value!r}.")
+    return value
+
+
 def check_loss_scale(value):
     """'dynamic', or a number (or numeric string such as "128.0") that is finite and positive."""
     if value == DYNAMIC:
@@ -263,8 +277,6 @@ def check_loss_scale(value):
 
 
 _VALIDATORS = {
-    "enabled": _enabled,
-    "opt_level": _opt_level,
     "cast_model_type": _cast_model_type,
     "patch_torch_functions": _patch_torch_functions,
     "keep_batchnorm_fp32": _keep_batchnorm_fp32,

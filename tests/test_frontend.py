@@ -143,6 +143,8 @@ def _initialize_error(model, optimizer, error, match, **kwargs):
         (dict(opt_level="O2", dtype=torch.float32), ValueError, "float16 or torch.bfloat16"),
         (dict(num_losses=0), ValueError, "num_losses"),
         (dict(verbosity=-1), ValueError, "verbosity"),
+        (dict(verbosity=7), ValueError, "verbosity must be 0, 1 or 2; got 7"),
+        (dict(verbosity=True), ValueError, "verbosity must be 0, 1 or 2"),
         (dict(cast_model_outputs="float32"), ValueError, "cast_model_outputs"),
         (dict(min_loss_scale=4.0, max_loss_scale=2.0), ValueError, "min_loss_scale"),
         (dict(max_loss_scale=-1.0), ValueError, "max_loss_scale"),
@@ -502,7 +504,10 @@ def _everything(models, optimizer):
             for key, value in optimizer.state.items()
         ],
         "torch": (
-            torch.mm, torch.nn.functional.linear, torch._C._nn.linear, torch.is_autocast_enabled
+            torch.mm,
+            torch.nn.functional.linear,
+            torch._C._nn.linear,
+            torch.is_autocast_enabled,
         ),
     }
 

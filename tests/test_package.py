@@ -1,7 +1,11 @@
-"""The package surface: public names, python -m amp, no CuPy or CUDA at import."""
+"""The package surface: public names and their types, python -m amp, no CuPy or CUDA at import."""
 
+import inspect
 import subprocess
 import sys
+
+import pytest
+import torch
 
 import amp
 
@@ -34,6 +38,54 @@ def test_all_is_the_api_and_importable():
     assert set(amp.__all__) == API
     assert all(hasattr(amp, name) for name in amp.__all__)
     assert isinstance(amp.__version__, str)
+
+
+def _public_callables():
+    """Every public function of amp, and every class with the methods it defines itself."""
+    for name in sorted(amp.__all__):
+        value = getattr(amp, name)
+        if inspect.isclass(value) and issubclass(value, Warning):
+            continue
+        yield pytest.param(value, id=name)
+        if inspect.isclass(value):
+            for attribute, member in vars(value).items():
+                if not attribute.startswith("_") and inspect.isfunction(member):
+                    yield pytest.param(member, id=f"{name}.{attribute}")
+
+
+@pytest.mark.parametrize("value", list(_public_callables()))
+def test_public_api_is_annotated_and_documented(value):
+    name = value.__qualname__
+    signature = inspect.signature(value)
+    unannotated = [
+        parameter.name
+        for parameter in signature.parameters.values()
+        if parameter.annotation is inspect.Parameter.empty and parameter.name not in ("self", "cls")
+    ]
+    assert not unannotated, f"{name}: {unannotated} without a type"
+    if not inspect.isclass(value):
+        assert signature.return_annotation is not inspect.Signature.empty, name
+    assert inspect.getdoc(value), f"{name} has no docstring"
+
+
+def test_signatures_show_the_parameters():
+    # both take torch's positional form too, which one signature cannot state
+    assert list(inspect.signature(amp.autocast).parameters) == [
+        "enabled",
+        "dtype",
+        "cache_enabled",
+        "device_type",
+        "float8",
+    ]
+    assert inspect.signature(amp.autocast).parameters["dtype"].default is torch.float16
+    assert list(inspect.signature(amp.GradScaler).parameters) == [
+        "device",
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "enabled",
+    ]
 
 
 def test_environment_report():

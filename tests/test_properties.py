@@ -157,3 +157,21 @@ def test_format_options_is_apex_dump():
     assert lines[0] == f"{'enabled':22} : True"
     assert lines[3] == f"{'patch_torch_functions':22} : True"
     assert [line.split()[0] for line in lines] == list(properties.OPTION_NAMES) + ["dtype"]
+
+
+@pytest.mark.parametrize("name", ["enabled", "loss_scale_window"])
+def test_only_the_overridable_options_are_taken(name):
+    # enabled is initialize's own argument, never an override of a level
+    with pytest.raises(TypeError, match="unknown amp option"):
+        properties.resolve("O2", **{name: True})
+
+
+@pytest.mark.parametrize("value", [0, 1, 2])
+def test_verbosity_levels(value):
+    assert properties.check_verbosity(value, "verbosity") == value
+
+
+@pytest.mark.parametrize("value", [3, 7, -1, True, 1.0, "1"])
+def test_verbosity_outside_the_levels_is_refused(value):
+    with pytest.raises(ValueError, match="verbosity must be 0, 1 or 2"):
+        properties.check_verbosity(value, "verbosity")

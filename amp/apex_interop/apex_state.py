@@ -7,6 +7,9 @@ does next, with amp's validation.
 """
 
 from .._state import amp_state
+from ..properties import check_verbosity
+
+__all__ = ["LossScalerView", "OptPropertiesView", "ApexAmpState", "apex_amp_state"]
 
 # apex's Properties() before initialize, and after initialize(enabled=False).
 _APEX_DEFAULT_OPTIONS = {
@@ -18,12 +21,6 @@ _APEX_DEFAULT_OPTIONS = {
     "master_weights": None,
     "loss_scale": 1.0,
 }
-
-
-def _check_count(value, what):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative int; got {value!r}.")
-    return value
 
 
 class LossScalerView:
@@ -39,7 +36,7 @@ class LossScalerView:
     unscaled (a static scaler never skips). apex counted those too, except at a static scale of
     1.0; amp counts them there as well, so the common gate
     ``if amp._amp_state.loss_scalers[0]._unskipped != 0: scheduler.step()`` steps at every
-    level. (`amp.state_dict()` keeps reporting 0 for static scalers, see CHANGELOG.) Writing
+    level. (`amp.state_dict()` saves 0 for a static scaler: a loaded count is a growth count.) Writing
     `_unskipped` sets that count; for a dynamic scaler it is the growth counter (the scale
     doubles when it reaches the growth interval, 2000, so it takes 0 to 1999), for a static one
     any int32 count. A write out of range raises ValueError and changes nothing.
@@ -173,7 +170,7 @@ class ApexAmpState:
 
     @verbosity.setter
     def verbosity(self, value):
-        amp_state.verbosity = _check_count(value, "amp._amp_state.verbosity")
+        amp_state.verbosity = check_verbosity(value, "amp._amp_state.verbosity")
 
     @property
     def min_loss_scale(self):

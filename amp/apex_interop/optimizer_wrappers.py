@@ -3,6 +3,13 @@ LARC) through amp.initialize and scale_loss, and the torch optimizers such a wra
 
 import torch
 
+__all__ = [
+    "OPTIMIZER_ATTRIBUTES",
+    "is_optimizer_like",
+    "require_optimizer_like",
+    "wrapped_optimizers",
+]
+
 # What amp calls on an optimizer, or reads from it. apex's LARC has all of them, and
 # add_param_group too (optional: amp patches it only where it exists).
 OPTIMIZER_ATTRIBUTES = (

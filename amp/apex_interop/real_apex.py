@@ -12,6 +12,8 @@ import importlib.util
 import os
 import warnings
 
+__all__ = ["COMPAT_MARKER", "apex_location", "is_compat", "describe", "warn_if_real_apex_amp"]
+
 COMPAT_MARKER = "_amp_alias.py"  # compat/apex/apex/_amp_alias.py
 
 

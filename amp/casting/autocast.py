@@ -2,7 +2,10 @@
 
 import contextlib
 import functools
+import inspect
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -10,6 +13,16 @@ from .._state import amp_state
 from ..lists.float8_recipes import check_recipe_name
 from . import native_autocast as native_state
 from .casts import DEVICE_FILTERS, DEVICE_TYPES, KEEP, LOW_PRECISION, cast_tree, with_device
+
+__all__ = [
+    "policy_scope",
+    "disable_casts",
+    "enter_region",
+    "exit_region",
+    "autocast",
+    "custom_fwd",
+    "custom_bwd",
+]
 
 
 @contextlib.contextmanager
@@ -30,7 +43,7 @@ def policy_scope(policy):
 
 
 @contextlib.contextmanager
-def disable_casts():
+def disable_casts() -> Iterator[None]:
     """Context manager inside which amp casts nothing (nestable, thread-local, exception-safe).
 
     Example::
@@ -133,7 +146,7 @@ class autocast:
         loss.backward()
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         torch_form = bool(args) and isinstance(args[0], str)
         names = _TORCH_FORM if torch_form else _AMP_FORM
         if len(args) > len(names):
@@ -178,7 +191,7 @@ class autocast:
         self.float8 = check_recipe_name(float8, "autocast(float8=...)")
         self._tokens = []  # one per active entry of this object, for re-entrant use
 
-    def __enter__(self):
+    def __enter__(self) -> "autocast":
         enabled = self.enabled
         self._tokens.append(
             enter_region(
@@ -190,11 +203,11 @@ class autocast:
         )
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> bool:
         exit_region(self._tokens.pop())
         return False
 
-    def __call__(self, func):
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(func):
             raise TypeError(
                 f"autocast()(func) needs a callable, got {type(func).__name__}. "
@@ -216,7 +229,39 @@ class autocast:
         return decorate_autocast
 
 
-def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
+# What inspect.signature and editors show: amp's form (API.md). __init__ also takes torch's
+# positional form, autocast("cuda", torch.bfloat16), which one signature cannot state.
+autocast.__init__.__signature__ = inspect.Signature(
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                default=default,
+                annotation=annotation,
+            )
+            for name, default, annotation in (
+                ("enabled", True, bool),
+                ("dtype", torch.float16, torch.dtype),
+                ("cache_enabled", True, bool),
+                ("device_type", None, str | None),
+            )
+        ),
+        inspect.Parameter(
+            "float8", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=str | None
+        ),
+    ],
+    return_annotation=None,
+)
+
+
+def custom_fwd(
+    fwd: Callable[..., Any] | None = None,
+    *,
+    cast_inputs: torch.dtype | None = None,
+    device_type: str | None = None,
+) -> Callable[..., Any]:
     """Decorator for the `forward` of a custom `torch.autograd.Function` (as torch.amp's).
 
     With `cast_inputs=None`, forward runs under whatever amp policy is in force and `custom_bwd`
@@ -225,6 +270,7 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
     with casting off; outside a region the decorator does nothing. `device_type`, accepted for
     torch.amp compatibility, limits the input casts to tensors on that device.
     """
+    _check_decorator_device("custom_fwd", device_type)
     if fwd is None:
         return functools.partial(custom_fwd, cast_inputs=cast_inputs, device_type=device_type)
     if cast_inputs is not None and (
@@ -233,8 +279,6 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
         raise ValueError(
             f"custom_fwd(cast_inputs=...) must be a floating dtype; got {cast_inputs!r}."
         )
-    if device_type is not None and device_type not in DEVICE_TYPES:
-        raise ValueError(f"custom_fwd(device_type={device_type!r}) must be one of {DEVICE_TYPES}.")
     device_filter = DEVICE_FILTERS[device_type]
 
     @functools.wraps(fwd)
@@ -263,17 +307,37 @@ def custom_fwd(fwd=None, *, cast_inputs=None, device_type=None):
     return decorate_fwd
 
 
-def custom_bwd(bwd=None, *, device_type=None):
+def custom_bwd(
+    bwd: Callable[..., Any] | None = None, *, device_type: str | None = None
+) -> Callable[..., Any]:
     """Decorator for the `backward` of a custom Function whose forward used `custom_fwd`.
 
-    Backward runs under the casting policy its forward ran under (or none).
+    Backward runs under the casting policy its forward ran under (or none). With `device_type`
+    (as torch.amp's), only that device's casting is the forward's; the other device keeps the
+    casting in force where backward runs.
     """
+    _check_decorator_device("custom_bwd", device_type)
     if bwd is None:
         return functools.partial(custom_bwd, device_type=device_type)
 
     @functools.wraps(bwd)
     def decorate_bwd(ctx, *grad_outputs):
-        with policy_scope(getattr(ctx, "_amp_policy", None)):
+        policy = getattr(ctx, "_amp_policy", None)
+        if device_type is not None:
+            current = amp_state.current_policy()
+            source = policy if policy is not None else current
+            cache_enabled = source.cache_enabled if source is not None else True
+            dtype = getattr(policy, device_type) if policy is not None else None
+            policy = with_device(current, device_type, dtype, cache_enabled)
+        with policy_scope(policy):
             return bwd(ctx, *grad_outputs)
 
     return decorate_bwd
+
+
+def _check_decorator_device(decorator: str, device_type: str | None) -> None:
+    if device_type is not None and device_type not in DEVICE_TYPES:
+        raise ValueError(
+            f"{decorator}(device_type={device_type!r}) must be one of {DEVICE_TYPES} or None "
+            "(every device)."
+        )

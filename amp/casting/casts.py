@@ -9,6 +9,23 @@ import torch
 
 from .._state import amp_state
 
+__all__ = [
+    "LOW_PRECISION",
+    "CASTABLE",
+    "DEVICE_TYPES",
+    "DEVICE_FILTERS",
+    "ExplicitDtype",
+    "SEQUENCES",
+    "PLAIN_ARGUMENTS",
+    "CastPolicy",
+    "FastCast",
+    "policy_for",
+    "KEEP",
+    "with_device",
+    "WeightCastCache",
+    "cast_tree",
+]
+
 LOW_PRECISION = frozenset((torch.float16, torch.bfloat16))
 # float64 is never cast: it is asked for deliberately (torch.amp's rule).
 CASTABLE = frozenset((torch.float16, torch.bfloat16, torch.float32))
@@ -103,7 +120,14 @@ class CastPolicy:
     """
 
     __slots__ = (
-        "cpu", "cuda", "cache_enabled", "float8", "device_filter", "to_low", "to_fp32", "fast"
+        "cpu",
+        "cuda",
+        "cache_enabled",
+        "float8",
+        "device_filter",
+        "to_low",
+        "to_fp32",
+        "fast",
     )
 
     def __init__(self, cpu, cuda, cache_enabled=True, float8=None):
@@ -349,7 +373,7 @@ def cast_tree(value, dtype, device_filter=None):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _rebuild_dataclass(value, dtype, device_filter)
     if isinstance(value, torch.nn.Module):
-        # A module passed as an argument is not data; apex's `.to()` rule used to cast it.
+        # A module passed as an argument is not data: its own `.to()` would cast its weights.
         return value
     to = getattr(value, "to", None)
     if callable(to):

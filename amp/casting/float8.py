@@ -17,6 +17,17 @@ from torch.autograd.function import once_differentiable
 
 from ..lists.float8_recipes import RECIPES, Float8Recipe  # noqa: F401 (RECIPES: for callers)
 
+__all__ = [
+    "EPS",
+    "ALIGNMENT",
+    "amax_to_scale",
+    "to_float8",
+    "scaled_mm",
+    "Float8Linear",
+    "linear",
+    "fits",
+]
+
 # Through torch.ops.aten, never amp's wrappers (amp patches `torch.log2`, `Tensor.reciprocal`):
 # the FP8 casts run in FP32 or float64 whatever policy is in force, and stay out of amp.trace().
 # Dynamo traces these however it built its tables, whereas it misses the builtins behind
@@ -34,9 +45,7 @@ EPS = 1e-12
 ALIGNMENT = 16
 
 
-def amax_to_scale(
-    amax: torch.Tensor, float8_dtype: torch.dtype, power_of_2: bool
-) -> torch.Tensor:
+def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
     """The FP32 scale that maps `amax` onto the largest value of `float8_dtype`.
 
     Computed in float64, as torchao does (eager and compiled code then agree on 1 / x), and as

@@ -13,6 +13,8 @@ from . import float8
 from .casts import CASTABLE
 from .wrappers import make_wrapper
 
+__all__ = ["linear_arguments", "make_float8_wrapper"]
+
 _Tensor = torch.Tensor
 _compiler = torch.compiler
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling

@@ -19,6 +19,8 @@ from .._state import amp_state
 from .autocast import policy_scope
 from .casts import cast_tree
 
+__all__ = ["resolve", "keeps", "FP32Inputs", "RestoreCasting", "install"]
+
 _HOW = (
     "Pass a list of torch.nn.Module subclasses (e.g. torch.nn.LayerNorm) or fnmatch patterns of "
     "qualified names as model.named_modules() gives them (e.g. 'blocks.*.attn')."

@@ -5,6 +5,8 @@ import torch
 
 from .casts import DEVICE_TYPES
 
+__all__ = ["is_enabled", "any_enabled", "switch_off", "restore"]
+
 is_enabled = torch.is_autocast_enabled
 any_enabled = torch._C._is_any_autocast_enabled
 _set_enabled = torch.set_autocast_enabled

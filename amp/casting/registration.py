@@ -1,12 +1,25 @@
 """User extensions of the casting tables: decorators, and registration of functions by name."""
 
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
 from .._state import amp_state
 from ..lists import FP32, LOWER_PRECISION, PROMOTE
 from .wrappers import make_wrapper
 
+__all__ = [
+    "half_function",
+    "float_function",
+    "promote_function",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+]
 
-def _decorator(kind):
-    def decorate(fn):
+
+def _decorator(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(fn):
             raise TypeError(f"amp can only decorate a callable; got {fn!r}.")
         name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
@@ -36,7 +49,7 @@ tensor arguments wherever amp casts."""
 promote_function.__name__ = "promote_function"
 
 
-def _register(module, name, kind):
+def _register(module: ModuleType | type, name: str, kind: str) -> None:
     if not isinstance(name, str):
         raise TypeError(f"the function name must be a string; got {name!r}.")
     if not hasattr(module, name):
@@ -46,7 +59,7 @@ def _register(module, name, kind):
         amp_state.torch_patches.refresh()
 
 
-def register_half_function(module, name):
+def register_half_function(module: ModuleType | type, name: str) -> None:
     """Patch `module.name` to run in the low-precision dtype wherever amp casts.
 
     Registrations take effect at once if amp's patches are installed, else when they next are;
@@ -60,11 +73,11 @@ def register_half_function(module, name):
     _register(module, name, LOWER_PRECISION)
 
 
-def register_float_function(module, name):
+def register_float_function(module: ModuleType | type, name: str) -> None:
     """Patch `module.name` to run in FP32 wherever amp casts (see register_half_function)."""
     _register(module, name, FP32)
 
 
-def register_promote_function(module, name):
+def register_promote_function(module: ModuleType | type, name: str) -> None:
     """Patch `module.name` to run in the widest floating type of its tensor arguments."""
     _register(module, name, PROMOTE)

@@ -21,6 +21,8 @@ from .autocast import enter_region, exit_region
 from .casts import DEVICE_TYPES
 from ..patching import ORIGINAL_ATTRIBUTE
 
+__all__ = ["first_policy", "patches"]
+
 _thread = amp_state.thread
 _is_compiling = torch.compiler.is_compiling
 _GRAPH_ENTER = torch.amp.autocast_mode._enter_autocast.__code__  # FX graphs' autocast entry

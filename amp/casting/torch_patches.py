@@ -18,6 +18,8 @@ from ..patching import PatchLedger
 from .float8_wrapper import make_float8_wrapper
 from .wrappers import make_wrapper
 
+__all__ = ["logger", "TorchPatches"]
+
 logger = logging.getLogger("amp")
 
 
@@ -210,4 +212,3 @@ class TorchPatches:
             ledger.restore()
             raise
         self._ledger = ledger
-

@@ -24,6 +24,8 @@ from torch import _jit_internal
 
 from ..patching import ORIGINAL_ATTRIBUTE, is_amp_replacement
 
+__all__ = ["patches"]
+
 # (module, name) of each question; C++ looks each up by module and name at every use, and
 # torch.jit._recursive imported `_find_builtin` by name (for functions held by module attributes).
 _RESOLVERS = (

@@ -16,6 +16,17 @@ from ..lists import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
 from ..patching import ORIGINAL_ATTRIBUTE
 from .casts import CASTABLE, LOW_PRECISION, PLAIN_ARGUMENTS, SEQUENCES, ExplicitDtype
 
+__all__ = [
+    "cast_lower_precision",
+    "cast_fp32",
+    "cast_promote",
+    "cast_sequence_promote",
+    "refuse_low_precision",
+    "CASTERS",
+    "compiled_call",
+    "make_wrapper",
+]
+
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter

@@ -14,6 +14,7 @@ after it). A third run, FP8 from end to end, gives the loss the report prints.
 """
 
 import math
+from collections.abc import Callable
 import random
 
 import torch
@@ -24,6 +25,8 @@ from ..casting.autocast import autocast, disable_casts
 from ..lists.float8_recipes import check_recipe_name
 from ..scaling.scaler import DEFAULT_INIT_SCALE
 from .report import AuditReport, AuditRow
+
+__all__ = ["audit"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -141,7 +144,7 @@ def _check(fn, model, dtype):
     if dtype not in _LOW:
         raise ValueError(
             f"amp.audit: dtype must be torch.float16 or torch.bfloat16, the low-precision types "
-            f"amp casts to, or \"float8\" (FP8 linears around bfloat16); got {dtype!r}."
+            f'amp casts to, or "float8" (FP8 linears around bfloat16); got {dtype!r}.'
         )
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype is not torch.float32:
@@ -164,7 +167,13 @@ def _loss_scale(loss_scale):
     return float(loss_scale)
 
 
-def audit(fn, model, dtype=torch.float16, loss_scale=None, float8=None):
+def audit(
+    fn: Callable[[], torch.Tensor],
+    model: torch.nn.Module,
+    dtype: torch.dtype | str = torch.float16,
+    loss_scale: float | None = None,
+    float8: str | None = None,
+) -> AuditReport:
     """Measure how each module of `model` fares in `dtype` (and FP8) against FP32.
 
     `fn()` runs a forward of `model` and returns the loss. amp calls it twice: once in FP32 and

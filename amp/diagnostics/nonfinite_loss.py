@@ -8,6 +8,8 @@ import warnings
 
 from .._state import amp_state
 
+__all__ = ["NonFiniteLossWarning", "after_clean_step", "after_bad_loss"]
+
 
 class NonFiniteLossWarning(UserWarning):
     """The loss was inf or NaN: amp skipped the step and kept the loss scale (once per run)."""

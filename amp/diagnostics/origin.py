@@ -32,6 +32,8 @@ from torch.nn.modules import module as nn_module
 from .._state import amp_state
 from ..patching import ORIGINAL_ATTRIBUTE
 
+__all__ = ["Origin", "OriginWatch"]
+
 _KEEP = 64  # (flag, origin) pairs kept for the skip reports that read them
 _HELD = 4096  # checks held before they are read without a step (a watch no step ends)
 
@@ -341,4 +343,3 @@ def _first_nonfinite(events):
     if module is None and phase == "backward":
         op = "loss"
     return Origin(module, phase, op, dtype, bad[first])
-

@@ -7,6 +7,8 @@ from typing import Optional, Tuple
 from .. import distributed
 from .._state import amp_state, logger
 
+__all__ = ["OverflowReport", "last_overflow", "grad_scaler_nonfinite_names", "grad_scaler_update"]
+
 
 @dataclasses.dataclass
 class OverflowReport:
@@ -21,7 +23,7 @@ class OverflowReport:
     nonfinite_loss: bool = False  # the loss itself was inf/NaN: the scale was kept, not halved
 
 
-def last_overflow():
+def last_overflow() -> OverflowReport | None:
     """The OverflowReport of the last skipped step, or None if no step has been skipped."""
     return amp_state.last_overflow
 

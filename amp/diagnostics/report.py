@@ -4,6 +4,8 @@ import dataclasses
 import math
 from typing import List, Optional
 
+__all__ = ["HEADROOM_MARGIN", "UNDERFLOW_LIMIT", "FLOAT8_ERROR_LIMIT", "AuditRow", "AuditReport"]
+
 # A module whose largest FP32 output is within this factor of the dtype's max keeps no room for
 # the growth of a few more steps: keep it in FP32.
 HEADROOM_MARGIN = 2.0

@@ -3,12 +3,15 @@ dtypes before and after."""
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Optional, Tuple
 
 import torch
 
 from .._state import amp_state
 from ..lists import FLOAT8
+
+__all__ = ["TraceRecord", "Trace", "traced_call", "trace"]
 
 
 def _dtype_name(dtype):
@@ -98,8 +101,10 @@ def traced_call(original, name, kind, policy, new, args, kwargs, ran_in=None):
     result = original(*call_args, **call_kwargs)
     inputs = tuple(_floating_dtypes(args) + _floating_dtypes(kwargs.values()))
     explicit = kwargs.get("dtype") if kwargs else None
-    ran_in = ran_in or explicit or next(
-        iter(_floating_dtypes(call_args) + _floating_dtypes(call_kwargs.values())), None
+    ran_in = (
+        ran_in
+        or explicit
+        or next(iter(_floating_dtypes(call_args) + _floating_dtypes(call_kwargs.values())), None)
     )
     outputs = _floating_dtypes(result if isinstance(result, (list, tuple)) else (result,))
     amp_state.thread.trace.records.append(
@@ -115,7 +120,7 @@ def traced_call(original, name, kind, policy, new, args, kwargs, ran_in=None):
 
 
 @contextlib.contextmanager
-def trace():
+def trace() -> Iterator[Trace]:
     """Record every patched call made in this thread inside the block.
 
     Example::

@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import torch
 
+__all__ = ["setup"]
+
 
 def setup(
     fabric: Any,

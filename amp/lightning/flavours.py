@@ -16,6 +16,17 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+__all__ = [
+    "INSTALL_HINT",
+    "Flavour",
+    "installed",
+    "of_module",
+    "unwrap_optimizer",
+    "route_to_instance",
+    "lightning_optimizers",
+    "build_class",
+]
+
 # (package of the Trainer, package of Fabric), the unified package first.
 _PACKAGES = (("lightning.pytorch", "lightning.fabric"), ("pytorch_lightning", "lightning_fabric"))
 

@@ -18,6 +18,8 @@ import amp
 
 from . import flavours
 
+__all__ = ["AmpPrecisionBehaviour"]
+
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _LOW_PRECISION = {torch.float16: "16", torch.bfloat16: "bf16"}
 # amp.initialize's own arguments that the plugin fills in itself.

@@ -12,6 +12,29 @@ from . import (
     torch_overrides,
 )
 
+__all__ = [
+    "LOWER_PRECISION",
+    "FP32",
+    "PROMOTE",
+    "SEQUENCE_PROMOTE",
+    "BANNED",
+    "FLOAT8",
+    "TABLES",
+    "PROMOTED_BY_TORCH",
+    "INPUT_DTYPE",
+    "UNPATCHED",
+    "LIST_KINDS",
+    "NEWER_THAN_TORCH_2_1",
+    "NOT_IN_TABLES",
+    "Entry",
+    "resolve_namespace",
+    "entries",
+    "float8_entries",
+    "delegates",
+    "bindings",
+    "missing",
+]
+
 # The policy kinds, one per list of a table; amp/casting/wrappers.py makes a wrapper for each.
 LOWER_PRECISION = "lower_precision"  # FP16_FUNCS: run in the low-precision dtype
 FP32 = "fp32"  # FP32_FUNCS: run in float32

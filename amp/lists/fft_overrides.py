@@ -4,6 +4,17 @@ Low-precision FFTs are restricted (CUDA: power-of-two sizes; CPU: not implemente
 in FP32, as torch's CPU autocast does.
 """
 
+__all__ = [
+    "MODULE",
+    "FP16_FUNCS",
+    "FP32_FUNCS",
+    "CASTS",
+    "SEQUENCE_CASTS",
+    "PROMOTED_BY_TORCH",
+    "INPUT_DTYPE_FUNCS",
+    "BANNED_FUNCS",
+]
+
 MODULE = "torch.fft"
 
 FP16_FUNCS = ()

@@ -8,6 +8,8 @@ import dataclasses
 
 import torch
 
+__all__ = ["Float8Recipe", "RECIPES", "check_recipe_name"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Float8Recipe:

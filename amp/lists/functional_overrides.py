@@ -4,6 +4,21 @@ F.instance_norm and F.batch_norm are not listed: they accept low-precision input
 weights and statistics, which is what O2 keeps. F.embedding runs in its weight's dtype.
 """
 
+__all__ = [
+    "MODULE",
+    "FP16_FUNCS",
+    "FP32_FUNCS",
+    "INPUT_DTYPE_FUNCS",
+    "FLOAT8_FUNCS",
+    "CASTS",
+    "SEQUENCE_CASTS",
+    "PROMOTED_BY_TORCH",
+    "DELEGATES",
+    "C_MODULE",
+    "C_BINDINGS",
+    "BANNED_FUNCS",
+]
+
 MODULE = "torch.nn.functional"
 
 FP16_FUNCS = (

@@ -1,5 +1,16 @@
 """Casting policy for functions in `torch.linalg`. Data only: read by amp/lists/__init__.py."""
 
+__all__ = [
+    "MODULE",
+    "FP16_FUNCS",
+    "FP32_FUNCS",
+    "CASTS",
+    "SEQUENCE_CASTS",
+    "PROMOTED_BY_TORCH",
+    "INPUT_DTYPE_FUNCS",
+    "BANNED_FUNCS",
+]
+
 MODULE = "torch.linalg"
 
 FP16_FUNCS = (

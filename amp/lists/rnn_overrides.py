@@ -4,6 +4,17 @@ Data only: read by amp/lists/__init__.py. Patching these names on `torch._VF` ma
 recurrent module run in low precision under O1, with its FP32 weights cast (and cached) per call.
 """
 
+__all__ = [
+    "MODULE",
+    "FP16_FUNCS",
+    "FP32_FUNCS",
+    "CASTS",
+    "SEQUENCE_CASTS",
+    "PROMOTED_BY_TORCH",
+    "INPUT_DTYPE_FUNCS",
+    "BANNED_FUNCS",
+]
+
 MODULE = "torch._VF"
 
 FP16_FUNCS = (

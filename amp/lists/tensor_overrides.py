@@ -4,6 +4,17 @@ In-place methods (`add_`, `__iadd__`, ...) are not listed: amp casts out-of-plac
 torch.amp does, so an in-place call always runs in its tensor's own dtype.
 """
 
+__all__ = [
+    "MODULE",
+    "FP16_FUNCS",
+    "FP32_FUNCS",
+    "CASTS",
+    "PROMOTED_BY_TORCH",
+    "INPUT_DTYPE_FUNCS",
+    "SEQUENCE_CASTS",
+    "BANNED_FUNCS",
+]
+
 MODULE = "torch.Tensor"
 
 FP16_FUNCS = (

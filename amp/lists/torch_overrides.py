@@ -4,6 +4,17 @@ Sources: apex.amp's lists (apex/amp/lists/torch_overrides.py) and the ops torch 
 autocast on CUDA and CPU (torch 2.13, ../shared/reference/autocast_registered_ops_torch2.13.json).
 """
 
+__all__ = [
+    "MODULE",
+    "FP16_FUNCS",
+    "FP32_FUNCS",
+    "CASTS",
+    "PROMOTED_BY_TORCH",
+    "INPUT_DTYPE_FUNCS",
+    "SEQUENCE_CASTS",
+    "BANNED_FUNCS",
+]
+
 MODULE = "torch"
 
 FP16_FUNCS = (

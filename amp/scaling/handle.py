@@ -1,5 +1,10 @@
 """scale_loss: scale a loss for backward, then unscale, check and (on overflow) skip."""
 
+import contextlib
+from typing import Any
+
+import torch
+
 from .. import distributed
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import is_optimizer_like
@@ -36,8 +41,13 @@ def _checked_records(optimizers):
 
 
 def scale_loss(
-    loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False
-):
+    loss: torch.Tensor,
+    optimizers: Any,
+    loss_id: int = 0,
+    model: torch.nn.Module | None = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> contextlib.AbstractContextManager[torch.Tensor]:
     """Scale `loss` for backward; on exit unscale the new gradients and check them.
 
     Yields ``loss.float() * loss_scale``. On exit the gradients this backward produced are

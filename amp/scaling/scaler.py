@@ -111,7 +111,9 @@ class LossScaler:
             return
         flag = flag.tensor
         scale = self._scale if self._scale is not None else self._tensors(flag.device)
-        found_inf = flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
+        found_inf = (
+            flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
+        )
         torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
         scale.clamp_(min=self._floor, max=self.max_loss_scale)
         # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;

@@ -166,9 +166,7 @@ def test_unskipped_resets_on_overflow_and_a_write_moves_the_growth(initialized):
 
 @pytest.mark.parametrize("after_first_step", [False, True])
 @pytest.mark.parametrize("value", [2**31, 2000, -1, 1.5])
-def test_an_unskipped_write_out_of_range_is_refused_and_changes_nothing(
-    value, after_first_step
-):
+def test_an_unskipped_write_out_of_range_is_refused_and_changes_nothing(value, after_first_step):
     model = torch.nn.Linear(4, 2)
     model, optimizer = amp.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1", verbosity=0
@@ -220,8 +218,9 @@ def test_other_writes_raise_and_verbosity_is_writable(initialized, caplog):
     with pytest.raises(RuntimeError, match="not supported"):
         state.allow_incoming_model_not_fp32 = True
     state.hard_override = False  # what a script sets to stay safe is accepted
-    with pytest.raises(ValueError, match="non-negative int"):
-        state.verbosity = "loud"
+    for wrong in ("loud", 7, -1):
+        with pytest.raises(ValueError, match="verbosity must be 0, 1 or 2"):
+            state.verbosity = wrong
     assert state.verbosity == 0
     state.verbosity = 1
     model, optimizer = initialized

@@ -417,7 +417,7 @@ def test_packed_sequences():
 # -- custom_fwd / custom_bwd ---------------------------------------------------------------------------
 
 
-def _function(cast_inputs):
+def _function(cast_inputs, backward_device=None):
     class Square(torch.autograd.Function):
         @staticmethod
         @amp.custom_fwd(cast_inputs=cast_inputs)
@@ -427,7 +427,7 @@ def _function(cast_inputs):
             return a * container["b"]
 
         @staticmethod
-        @amp.custom_bwd
+        @amp.custom_bwd(device_type=backward_device)
         def backward(ctx, grad):
             (a,) = ctx.saved_tensors
             ctx_dtype = torch.mm(a, a).dtype
@@ -462,3 +462,23 @@ def test_custom_fwd_outside_a_region_does_nothing():
     function = _function(torch.float32)
     a = torch.randn(3, 3, dtype=torch.float16, requires_grad=True)
     assert function.apply(a, {"b": torch.ones(3, 3, dtype=torch.float16)}).dtype is torch.float16
+
+
+@pytest.mark.parametrize(
+    ("device_type", "expected"), [("cpu", torch.bfloat16), ("cuda", torch.float32)]
+)
+def test_custom_bwd_device_type_restores_that_device_only(device_type, expected):
+    # as torch.amp.custom_bwd(device_type=...): the forward's casting on that device; the other
+    # device keeps what is in force where backward runs (here nothing)
+    function = _function(None, backward_device=device_type)
+    a = torch.randn(3, 3, requires_grad=True)
+    with amp.autocast(dtype=torch.bfloat16):
+        out = function.apply(a, {"b": torch.ones(3, 3)})
+    out.sum().backward()
+    assert function.backward_dtypes == [expected]
+
+
+@pytest.mark.parametrize("decorator", [amp.custom_fwd, amp.custom_bwd])
+def test_custom_decorators_refuse_an_unknown_device_type(decorator):
+    with pytest.raises(ValueError, match="device_type='mps'.*must be one of"):
+        decorator(device_type="mps")

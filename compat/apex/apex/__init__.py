@@ -17,6 +17,7 @@ if not (hasattr(amp, "initialize") and hasattr(amp, "_amp_state")):
     )
 
 from . import _amp_alias, _shadowing  # noqa: E402
+from ._ignored import ApexCompatWarning  # noqa: E402
 
 _amp_alias.install()
 
@@ -24,4 +25,12 @@ from . import fp16_utils, multi_tensor_apply, normalization, optimizers, paralle
 
 _shadowing.warn_about_other_apex(__path__)
 
-__all__ = ["amp", "fp16_utils", "multi_tensor_apply", "normalization", "optimizers", "parallel"]
+__all__ = [
+    "ApexCompatWarning",
+    "amp",
+    "fp16_utils",
+    "multi_tensor_apply",
+    "normalization",
+    "optimizers",
+    "parallel",
+]

@@ -17,6 +17,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from .._ignored import warn_ignored
+
 
 def _autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype for `tensor`'s device, or None where autocast is off."""
@@ -141,9 +143,20 @@ def mixed_dtype_fused_rms_norm_affine(
 # --- the modules ----------------------------------------------------------------------------
 
 
+def _warn_memory_efficient(name, memory_efficient):
+    warn_ignored(
+        f"apex.normalization.{name}",
+        "apex's kernel recomputed from the output to save memory; torch's norm gives the same "
+        "results",
+        dict(memory_efficient=memory_efficient),
+        dict(memory_efficient=False),
+    )
+
+
 class FusedLayerNorm(torch.nn.LayerNorm):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+        _warn_memory_efficient(type(self).__name__, memory_efficient)
         self.memory_efficient = memory_efficient
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -155,6 +168,7 @@ class FusedLayerNorm(torch.nn.LayerNorm):
 class FusedRMSNorm(torch.nn.RMSNorm):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+        _warn_memory_efficient(type(self).__name__, memory_efficient)
         self.memory_efficient = memory_efficient
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ checkpoints load."""
 
 import torch
 
+from .._ignored import warn_ignored
 from ._common import (
     GradNoneDefault,
     adam_moments,
@@ -42,7 +43,14 @@ class FusedAdam(GradNoneDefault, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.adam_w_mode = bool(adam_w_mode)
         self.set_grad_none = set_grad_none
-        self.capturable = capturable  # CUDA-graph capture: no effect on results
+        warn_ignored(
+            "apex.optimizers.FusedAdam",
+            "it let apex's kernel be captured in a CUDA graph; the step here is torch's foreach "
+            "arithmetic, with the same results",
+            dict(capturable=capturable),
+            dict(capturable=False),
+        )
+        self.capturable = capturable
 
     @torch.no_grad()
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None):

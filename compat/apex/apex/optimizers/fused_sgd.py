@@ -4,6 +4,7 @@
 import torch
 from torch.optim.optimizer import required
 
+from .._ignored import warn_ignored
 from ._common import GradNoneDefault
 
 
@@ -45,6 +46,12 @@ class FusedSGD(GradNoneDefault, torch.optim.SGD):
         if lr is required:
             self.defaults["lr"] = required  # a group added later must carry its lr too
         self.set_grad_none = set_grad_none
+        warn_ignored(
+            "apex.optimizers.FusedSGD",
+            "amp's O2 keeps its own master gradients",
+            dict(materialize_master_grads=materialize_master_grads),
+            dict(materialize_master_grads=True),
+        )
         self.materialize_master_grads = materialize_master_grads
 
 

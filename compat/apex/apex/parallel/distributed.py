@@ -21,6 +21,7 @@ apex's flat helpers (`flat_dist_call`, `apply_flat_dist_call`, `flatten`, `unfla
 import torch
 import torch.distributed as dist
 
+from .._ignored import warn_ignored
 from ._flat import apply_flat_dist_call, flat_dist_call, flatten, split_by_type, unflatten
 from .sync_batchnorm import SyncBatchNorm
 
@@ -33,6 +34,16 @@ __all__ = [
     "split_by_type",
     "unflatten",
 ]
+
+# apex's defaults of the arguments accepted with no effect: a value other than these warns once.
+_IGNORED_DEFAULTS = dict(
+    message_size=10000000,
+    delay_allreduce=False,
+    allreduce_trigger_params=None,
+    num_allreduce_streams=1,
+    allreduce_communicators=None,
+    prof=False,
+)
 
 
 class _Averaging:
@@ -105,6 +116,20 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "apex.parallel.DistributedDataParallel: allreduce_trigger_params is only valid "
                 "with delay_allreduce=False (as in apex)."
             )
+        warn_ignored(
+            "apex.parallel.DistributedDataParallel",
+            "it set when and in which buckets apex all-reduced; torch's DistributedDataParallel "
+            "schedules its own buckets (bucket_cap_mb) and reduces to the same gradients",
+            dict(
+                message_size=message_size,
+                delay_allreduce=delay_allreduce,
+                allreduce_trigger_params=allreduce_trigger_params,
+                num_allreduce_streams=num_allreduce_streams,
+                allreduce_communicators=allreduce_communicators,
+                prof=prof,
+            ),
+            _IGNORED_DEFAULTS,
+        )
         if gradient_average_split_factor is not None:
             gradient_predivide_factor = gradient_average_split_factor
         if not float(gradient_predivide_factor) > 0:
