@@ -20,9 +20,11 @@ gradients freed; `scaler.step` (unscale, inf/NaN check, AdamW on the masters; fu
 the unscale into its kernel) and `scaler.update`; one `torch._foreach_copy_` of the masters back
 into the model. The host work per step is a constant number of foreach calls.
 
-The first six variants use `torch.optim.AdamW(lr=1e-3)` with torch's default implementation (on
-CPU a loop over the parameters, on CUDA foreach) unless `optimizer="foreach"` or `"fused"`.
-Each setup returns a Trainer; `Trainer.close()` undoes amp's initialize.
+Every variant steps `torch.optim.AdamW(lr=1e-3)` with torch's default implementation (on CPU a
+loop over the parameters, on CUDA foreach) unless `optimizer="foreach"` or `"fused"`; "sgd",
+"sgd-foreach" and "sgd-fused" make it `torch.optim.SGD(lr=1e-3, momentum=0.9)` instead (the
+manual O2 peers then use SGD with their own implementation). Each setup returns a Trainer;
+`Trainer.close()` undoes amp's initialize.
 """
 
 import torch
@@ -56,8 +58,18 @@ class Trainer:
         self._close()
 
 
-def _adamw(params, optimizer):
-    options = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer]
+_IMPLEMENTATIONS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+OPTIMIZERS = ("default", "foreach", "fused", "sgd", "sgd-foreach", "sgd-fused")
+
+
+def _adamw(params, optimizer, implementation=None):
+    """The optimizer `optimizer` names (OPTIMIZERS); `implementation` overrides its own."""
+    family, _, own = optimizer.partition("-")
+    if family != "sgd":
+        family, own = "adamw", optimizer
+    options = _IMPLEMENTATIONS[implementation or own or "default"]
+    if family == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **options)
     return torch.optim.AdamW(params, lr=1e-3, **options)
 
 
@@ -169,7 +181,7 @@ def _manual_o2(kind, float8=None):
         for master, grad in zip(masters, master_grads):
             master.grad = grad
         _cast_but_batch_norm(model, dtype)
-        opt = torch.optim.AdamW(masters, lr=1e-3, **{kind: True})
+        opt = _adamw(masters, optimizer, implementation=kind)
         scaler = torch.amp.GradScaler(params[0].device.type)
 
         def step(inputs, targets):
