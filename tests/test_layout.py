@@ -31,8 +31,10 @@ LAYERS = (
     ("amp.apex_interop",),  # apex's state object, optimizer wrappers, which apex is importable
     ("amp.diagnostics",),  # what amp says: trace, overflow report, origin watch, warnings
     ("amp.casting",),  # O1 and regions
-    ("amp.scaling",),  # loss scaling
-    ("amp.weights",),  # O2/O3 weights, the optimizer that steps them, the engines
+    # O2/O3 weights, the optimizer amp steps with its gradient stash and skip decision, the
+    # engines: below loss scaling, whose scale_loss drives the stash and hands it the scale
+    ("amp.weights",),
+    ("amp.scaling",),  # loss scalers, scale_loss, GradScaler
     ("amp.diagnostics.audit", "amp.diagnostics.report"),  # the audit runs the others' machinery
     ("amp.frontend", "amp.__main__", "amp", "amp.lightning"),  # the front door
 )

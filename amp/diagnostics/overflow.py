@@ -1,5 +1,5 @@
 """amp.last_overflow(): the report of the last skipped step, which loss and which parameters;
-GradScaler's skip report (amp.initialize's is scaling/skip.py's)."""
+GradScaler's skip report (amp.initialize's is weights/skip.py's)."""
 
 import dataclasses
 from typing import Optional, Tuple

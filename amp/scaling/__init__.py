@@ -1,2 +1,3 @@
-"""Loss scaling: the loss scalers, GradScaler, scale_loss and its gradient stash, the finite-loss
-flag, and the skip decisions of the steps an overflow skips. Unscaling runs on amp/kernels."""
+"""Loss scaling: the loss scalers, GradScaler, scale_loss and the finite-loss flag. scale_loss
+drives the gradient stash and skip decision of the optimizers it unscales for (amp/weights), which
+sit below it; unscaling runs on amp/kernels."""

@@ -9,7 +9,7 @@ from .. import distributed
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import is_optimizer_like
 from . import finite_loss
-from .scaler import OverflowFlag
+from ..weights.skip import OverflowFlag
 
 
 def _checked_records(optimizers):
@@ -159,8 +159,9 @@ class _ScaleLoss:
         )
         entered = []
         try:
+            inv_scale = scaler.inv_scale(self.loss.device)
             for record in records:
-                record.stash.enter(scaler, delay_unscale)
+                record.stash.enter(scaler, delay_unscale, inv_scale, scaler.is_identity)
                 entered.append(record)
             scaled = scaler.scale(self.loss)
         except BaseException:
@@ -195,12 +196,9 @@ class _ScaleLoss:
             loss_ok = self.loss_ok
             if distributed.is_distributed():
                 loss_ok = finite_loss.agree(flag, loss_ok)
-            for record in amp_state.optimizers:  # blocks still open keep the scale they used
-                if record.stash.frames:
-                    record.stash.freeze_scale(scaler, flag.tensor.device)
             finite_loss.update(scaler, flag, loss_ok)
             for record in records:
-                record.skips.pending.append((self.loss_id, flag, loss_ok))
+                record.skips.pending.append((self.loss_id, flag, loss_ok, scaler))
         finally:
             if amp_state.cast_cache.filled:
                 amp_state.cast_cache.clear()

@@ -16,21 +16,6 @@ _reciprocal = torch.reciprocal  # bound at import, before amp's O1 tables could 
 _INT32_MAX = 2**31 - 1
 
 
-class OverflowFlag:
-    """A float32 device flag set by the unscale kernels; read (one sync) at most once."""
-
-    __slots__ = ("tensor", "_value")
-
-    def __init__(self, device):
-        self.tensor = torch.zeros((), dtype=torch.float32, device=device)
-        self._value = None
-
-    def is_set(self):
-        if self._value is None:
-            self._value = bool(self.tensor.item())
-        return self._value
-
-
 class LossScaler:
     """One loss scale: static (a fixed float) or dynamic (apex's rule).
 
@@ -62,7 +47,9 @@ class LossScaler:
         self._init_scale = start
         self._init_unskipped = 0
         self._scale = None  # float32 0-dim tensor, created on first use (dynamic only)
-        self._inv = None  # 1 / scale, kept next to it: one op per update, none per unscale
+        # 1 / scale, kept next to it: one op per update, none per unscale. A new tensor at every
+        # change, never written in place: a block keeps the one its loss was scaled with.
+        self._inv = None
         self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
         self._static_inv = {}  # device -> 1 / scale for static scalers
         # Backward passes a static scaler unscaled: what apex's `_unskipped` counted for it, kept
@@ -120,7 +107,7 @@ class LossScaler:
         # for any other value it is the correctly rounded one. torch.reciprocal's original (amp
         # patches nothing it calls here): its own arithmetic stays out of the user's casts and
         # traces.
-        _reciprocal(scale, out=self._inv)
+        self._inv = _reciprocal(scale)
 
     def count_pass(self):
         """Note a backward pass this scaler scaled and unscaled (static scalers only count)."""
@@ -183,7 +170,7 @@ class LossScaler:
         self._static_inv = {}
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
-            self._inv.fill_(1.0 / self._init_scale)
+            self._inv = torch.full_like(self._inv, 1.0 / self._init_scale)
             self._unskipped.fill_(self._init_unskipped)
 
 

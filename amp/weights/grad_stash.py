@@ -83,15 +83,16 @@ def _join(pairs):
 
 
 class _Frame:
-    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv")
+    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv", "identity")
 
-    def __init__(self, scaler, delay, taken, copies=()):
-        self.scaler = scaler
+    def __init__(self, scaler, delay, inv, identity, taken, copies=()):
+        self.scaler = scaler  # the loss scaler, compared by identity only
         self.delay = delay
+        self.inv = inv  # 1/scale the block's loss was scaled with (the scaler never changes it)
+        self.identity = identity  # a static scale of 1.0: nothing to unscale or check
         self.taken = taken  # the gradients present when the block opened, taken out of `.grad`
         self.copies = copies  # or, continuing an accumulation, copies of those left in `.grad`
         self.done = []  # unscaled (param, grad) from blocks nested in this one
-        self.inv = None  # 1/scale this block's loss was scaled with, if the scale changed since
 
 
 class GradientStash:
@@ -112,7 +113,9 @@ class GradientStash:
             theirs = self.scaled_by
         return theirs if theirs is not None and theirs is not scaler else None
 
-    def enter(self, scaler, delay_unscale):
+    def enter(self, scaler, delay_unscale, inv_scale, identity):
+        """A block opens: its loss is scaled by `scaler`, whose 1/scale is `inv_scale` (a tensor
+        on the loss's device that no later update changes)."""
         record = self.record
         if not self.frames and self.scaled_by is scaler:
             # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
@@ -120,9 +123,10 @@ class GradientStash:
             # all-reduces the whole `.grad`); a copy puts it back if the block raises.
             holders = [p for p in record.grad_holders() if p.grad is not None]
             copies = [(param, param.grad.clone()) for param in holders]
-            self.frames.append(_Frame(scaler, delay_unscale, [], copies))
+            self.frames.append(_Frame(scaler, delay_unscale, inv_scale, identity, [], copies))
             return
-        self.frames.append(_Frame(scaler, delay_unscale, _take(record.grad_holders())))
+        taken = _take(record.grad_holders())
+        self.frames.append(_Frame(scaler, delay_unscale, inv_scale, identity, taken))
 
     def discard(self):
         """The block raised: the gradients are put back as they were when it opened."""
@@ -131,12 +135,6 @@ class GradientStash:
             param.grad = None
         for param, grad in frame.taken or frame.copies:
             param.grad = grad
-
-    def freeze_scale(self, scaler, device):
-        """`scaler` is about to change: open blocks scaled by it keep the inverse they used."""
-        for frame in self.frames:
-            if frame.scaler is scaler and frame.inv is None:
-                frame.inv = scaler.inv_scale(device).clone()
 
     def commit(self, flag):
         """The block exited normally: join its gradients with the ones taken (see module doc).
@@ -151,12 +149,9 @@ class GradientStash:
                 self.kept, self.scaled_by = frame.taken, frame.scaler
             (self.frames[-1].done if nested else self.kept).extend(frame.done)
             return
-        inv_scale = frame.inv
-        if inv_scale is None:
-            inv_scale = frame.scaler.inv_scale(flag.tensor.device)
         if nested:
             self.frames[-1].done.extend(frame.done)
-            self.frames[-1].done.extend(self._unscale(frame.scaler, inv_scale, flag, False))
+            self.frames[-1].done.extend(self._unscale(frame, flag, False))
             _join(frame.taken)  # the enclosing block's own (still scaled) gradients
             return
         if taken_scaled:
@@ -166,14 +161,14 @@ class GradientStash:
         else:
             extras = frame.taken + frame.done
         if not extras:
-            self._unscale(frame.scaler, inv_scale, flag, True)
+            self._unscale(frame, flag, True)
             return
         master_of = dict(zip(map(id, self.record.models), self.record.masters))
         for param, grad in extras:  # already unscaled: into the masters first (as apex's order)
             master = master_of.get(id(param))
             if master is not None:
                 add_to_master_grad(master, grad.float())
-        self._unscale(frame.scaler, inv_scale, flag, True)
+        self._unscale(frame, flag, True)
         _join([(param, grad) for param, grad in extras if id(param) not in master_of])
 
     def reset(self):
@@ -188,14 +183,16 @@ class GradientStash:
         accumulation of delay_unscale blocks)."""
         return self.scaled_by is scaler or any(frame.scaler is scaler for frame in self.frames)
 
-    def _unscale(self, scaler, inv_scale, flag, into_masters):
-        """Unscale and check the gradients in `.grad`. into_masters: O2 model gradients go into
-        the master gradients, plain ones stay in `.grad`; else every unscaled gradient is taken
-        out of `.grad` and returned as (param, grad), for the enclosing block."""
+    def _unscale(self, frame, flag, into_masters):
+        """Unscale and check the gradients in `.grad` by `frame`'s scale. into_masters: O2 model
+        gradients go into the master gradients, plain ones stay in `.grad`; else every unscaled
+        gradient is taken out of `.grad` and returned as (param, grad), for the enclosing
+        block."""
         record = self.record
+        inv_scale = frame.inv
         params = record.plain_params()
         grads = [*filter(_not_none, map(_grad, params))] if params else ()
-        if grads and not scaler.is_identity:
+        if grads and not frame.identity:
             views = grads
             # C-level checks per gradient (a generator costs a Python frame per parameter).
             if any(map(_is_sparse, grads)) or any(map(torch.is_complex, grads)):

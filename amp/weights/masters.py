@@ -8,7 +8,7 @@ import torch
 
 from .. import distributed, kernels
 from .._state import amp_state
-from ..scaling.grad_stash import add_to_master_grad, set_each
+from .grad_stash import add_to_master_grad, set_each
 from .shadows import ParamMarks, sync_params
 
 _grad = operator.attrgetter("grad")

@@ -1,7 +1,7 @@
 """Optimizer instrumentation: the record amp keeps per optimizer and the methods it patches.
 
 The concerns live in their own modules: master weights (masters.py), the gradient stash of
-scale_loss (scaling/grad_stash.py), skipped steps (scaling/skip.py) and state dicts with masters
+scale_loss (grad_stash.py), skipped steps (skip.py) and state dicts with masters
 (optimizer_state.py). This module ties them to the optimizer's step, zero_grad and
 add_param_group.
 """
@@ -14,8 +14,8 @@ import torch
 
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import require_optimizer_like
-from ..scaling.grad_stash import GradientStash, set_each
-from ..scaling.skip import SkipDecision
+from .grad_stash import GradientStash, set_each
+from .skip import SkipDecision
 from . import engines, optimizer_state
 from .masters import MasterWeights, match_state_to_params, new_master
 

@@ -22,7 +22,7 @@ import operator
 import torch
 
 from ..casting.casts import LOW_PRECISION
-from ..scaling.grad_stash import set_each
+from .grad_stash import set_each
 
 # The per-step checks below read these over whole lists at C level (`map`), so an O2 step costs
 # a constant number of Python calls however many parameters the model has.

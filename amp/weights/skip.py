@@ -1,5 +1,7 @@
 """Skipped steps: an optimizer's pending overflow flags, and the report of a step they skip."""
 
+import torch
+
 from .. import distributed
 from .._state import amp_state, logger
 from ..apex_interop.optimizer_wrappers import wrapped_optimizers
@@ -7,13 +9,28 @@ from ..diagnostics import nonfinite_loss
 from ..diagnostics.overflow import OverflowReport
 
 
+class OverflowFlag:
+    """A float32 device flag set by the unscale kernels; read (one sync) at most once."""
+
+    __slots__ = ("tensor", "_value")
+
+    def __init__(self, device):
+        self.tensor = torch.zeros((), dtype=torch.float32, device=device)
+        self._value = None
+
+    def is_set(self):
+        if self._value is None:
+            self._value = bool(self.tensor.item())
+        return self._value
+
+
 class SkipDecision:
     """The overflow flags of the scale_loss blocks since an optimizer's last step."""
 
     def __init__(self, record):
         self.record = record
-        # (loss_id, OverflowFlag, loss-finite device flag or None), appended by scale_loss's
-        # exit; zero_grad() empties it (the gradients an overflow was found in are gone, and so
+        # (loss_id, OverflowFlag, loss-finite device flag or None, its loss scaler), appended
+        # by scale_loss's exit; zero_grad() empties it (the gradients an overflow was found in are gone, and so
         # is the reason to skip). Both touch the list directly: they run every step.
         self.pending = []
 
@@ -50,7 +67,7 @@ class SkipDecision:
             master.grad = None
         watch = amp_state.origin_watch
         bad_loss = fresh = False
-        for loss_id, flag, loss_ok in overflowed:
+        for loss_id, flag, loss_ok, scaler in overflowed:
             origin = watch.origin_for(flag)
             loss_finite = loss_ok is None or bool(loss_ok.item())  # the step syncs anyway
             params = names
@@ -61,7 +78,7 @@ class SkipDecision:
             report = OverflowReport(
                 loss_id,
                 params,
-                amp_state.loss_scalers[loss_id].loss_scale(),
+                scaler.loss_scale(),
                 origin=origin,
                 nonfinite_loss=not loss_finite,
             )

@@ -1,4 +1,4 @@
-"""The gradient stash (amp/scaling/grad_stash.py): gradients from before a scale_loss block are
+"""The gradient stash (amp/weights/grad_stash.py): gradients from before a scale_loss block are
 kept apart and added back exactly, also when the block raises, nests or accumulates with
 delay_unscale; O2's master gradients are made slice by slice at the block's exit, each slice's
 low-precision gradients freed before the next is made, bit for bit what unscaling them all at once
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp
-from amp.scaling import grad_stash
+from amp.weights import grad_stash
 from helpers import DTYPES
 from helpers.models import loss_of, make_model, make_stack
 from helpers.state import assert_grads_equal, assert_same, everything, grads
