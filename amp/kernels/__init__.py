@@ -1,9 +1,10 @@
 """Multi-tensor kernels for loss scaling and master weights.
 
-`unscale_`, `unscale_to_`, `unscale_add_`, `copy_` and `l2_norm` run as CuPy RawKernels on CUDA
-tensors when CuPy can be used, and on torch operations otherwise (CPU, no CuPy, or
-`AMP_DISABLE_KERNELS=1`), with the same results. Overflow flags stay on the device: nothing here
-waits for the GPU. Importing this package imports neither CuPy nor touches CUDA; the CuPy backend
+`unscale_`, `unscale_to_`, `unscale_add_`, `copy_`, `l2_norm` and `check_` run as CuPy RawKernels
+on CUDA tensors when CuPy can be used, and on torch operations otherwise (CPU, no CuPy, or
+`AMP_DISABLE_KERNELS=1`), with the same results. So do the fused master steps `adam_step_` and
+`sgd_step_`, within the bounds their docstrings state. Overflow flags stay on the device: nothing
+here waits for the GPU. Importing this package imports neither CuPy nor touches CUDA; the CuPy backend
 is probed on the first call with CUDA tensors.
 """
 
@@ -16,7 +17,18 @@ from . import _torch_backend
 
 DISABLE_ENV = "AMP_DISABLE_KERNELS"
 
-__all__ = ["unscale_", "unscale_to_", "unscale_add_", "copy_", "l2_norm", "cuda_backend"]
+__all__ = [
+    "unscale_",
+    "unscale_to_",
+    "unscale_add_",
+    "copy_",
+    "l2_norm",
+    "check_",
+    "adam_step_",
+    "sgd_step_",
+    "fuses",
+    "cuda_backend",
+]
 
 
 class BackendChoice:
@@ -178,6 +190,100 @@ def l2_norm(tensors):
         )
     device, (group,) = groups[0]
     return _backend(device).l2_norm(group)
+
+
+def check_(tensors, found_inf, *, inv_scale=None, inv_used=None):
+    """Set `found_inf` to 1 if any element of `tensors` (one device) is inf/NaN, as unscale_
+    does, writing nothing else; `inv_used` (if given) takes `inv_scale`'s value, in the same pass
+    (the inverse scale the checked gradients were scaled with, for a later fused step).
+
+    Returns an object whose `tensors()` lists the indices of the tensors that held inf/NaN, read
+    from the device when called (a sync on CUDA; amp asks only after a skipped step).
+    """
+    return _backend(tensors[0].device).check_(tensors, found_inf, inv_scale, inv_used)
+
+
+def adam_step_(
+    grads,
+    masters,
+    exp_avgs,
+    exp_avg_sqs,
+    steps,
+    lows=None,
+    *,
+    inv_scale=None,
+    found_inf=None,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled,
+):
+    """One step of torch.optim.AdamW (`decoupled`) or Adam, fused, on parallel lists of one
+    device: the gradients (any float dtype) times `inv_scale` (if given), the FP32 `masters`,
+    `exp_avgs`, `exp_avg_sqs` and `steps` (float32 0-dim, torch's `state["step"]`) updated in
+    place as torch.optim does, and `lows` (if given) set to the new masters rounded to their
+    dtype. Nothing changes where `found_inf` (a float32 flag) is set: the step is skipped on the
+    device.
+
+    Numerics: each element follows torch's formula operation by operation in float32, with the
+    fused multiply-adds torch's CPU kernels use, so the result is torch.optim.AdamW(fused=True)'s
+    on the CPU bit for bit (the torch backend is that op); torch's for-loop and foreach
+    implementations round their last update differently and differ from it by a few ulps of the
+    update. The bias corrections are computed in double per tensor, as torch does.
+    """
+    if grads:
+        options = dict(
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+        )
+        module = _backend(masters[0].device)
+        module.adam_step_(
+            grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options
+        )
+
+
+def sgd_step_(
+    grads,
+    masters,
+    buffers,
+    lows=None,
+    *,
+    inv_scale=None,
+    found_inf=None,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+):
+    """One step of torch.optim.SGD, fused, as adam_step_: `buffers` are the momentum buffers
+    (unused without momentum; every one must exist: the first step, which makes them, is
+    torch's own). Numerics: torch's for-loop and foreach formula, bit for bit; torch's fused SGD
+    on the CPU (the torch backend) rounds the elements of its scalar loop (the last few of each
+    thread's range) differently, by at most an ulp.
+    """
+    if grads:
+        options = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+        )
+        module = _backend(masters[0].device)
+        module.sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options)
+
+
+def fuses(device):
+    """Whether the fused kernels run for tensors on `device` (the CuPy backend): a check at
+    scale_loss's exit and one pass at the step then cost less than converting gradients."""
+    return device.type == "cuda" and cuda_backend().name == "cupy"
 
 
 def _check_parallel(sources, destinations):

@@ -5,177 +5,22 @@ copies. Every launch goes to torch's current stream; nothing here synchronises w
 Tensors a kernel cannot take (non-contiguous, float64, ...) are handed to the torch backend.
 """
 
-import itertools
-import operator
-import os
-import pathlib
-
-import cupy
 import torch
 
+from . import _cupy_device as cuda
 from . import _layout, _torch_backend
 
-PARAM_BYTES_ENV = "AMP_KERNEL_PARAM_BYTES"  # force the 4 KB layout on GPUs that allow 32 KB
-_SOURCE = pathlib.Path(__file__).with_name("multi_tensor.cu").read_text()
-_TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-_PAIRS = [
-    (torch.float32, torch.float32),
-    (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float32),
-    (torch.float32, torch.float16),
-    (torch.float32, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-]
-_NAMES = (
-    [f"amp_unscale<{_TYPE_NAMES[t]}>" for t in _TYPE_NAMES]
-    + [f"amp_sum_squares<{_TYPE_NAMES[t]}>" for t in _TYPE_NAMES]
-    + [
-        f"{kernel}<{_TYPE_NAMES[src]}, {_TYPE_NAMES[dst]}>"
-        for kernel in ("amp_scale_copy", "amp_scale_add")
-        for src, dst in _PAIRS
-    ]
-    + ["amp_norm_finalize"]
-)
-_SUPPORTED_PAIRS = frozenset(_PAIRS)
-
-
-class _Stream:
-    """What CuPy's launch needs of a stream: its raw pointer."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-
-class _Device:
-    """Compiled kernels and launch constants for one GPU."""
-
-    def __init__(self, index):
-        properties = torch.cuda.get_device_properties(index)
-        self.multiprocessors = properties.multi_processor_count
-        compute_capability = properties.major * 10 + properties.minor
-        forced = os.environ.get(PARAM_BYTES_ENV)
-        if forced:
-            self.parameter_bytes = int(forced)
-        elif (
-            cupy.cuda.runtime.driverGetVersion() >= 12010
-            and compute_capability >= 70
-            and nvrtc_version() >= (12, 1)
-        ):
-            self.parameter_bytes = _layout.PARAM_BYTES_LARGE
-        else:
-            self.parameter_bytes = _layout.PARAM_BYTES_SMALL
-        self.capacity = {
-            depth: _layout.max_tensors(depth, self.parameter_bytes) for depth in (1, 2)
-        }
-        self.module = cupy.RawModule(
-            code=_SOURCE,
-            options=("-std=c++17",) + _layout.compile_options(self.parameter_bytes),
-            name_expressions=_NAMES,
-        )
-        with cupy.cuda.Device(index):
-            self.functions = {name: self.module.get_function(name) for name in _NAMES}
-            for function in self.functions.values():
-                function.compile()
-        self.max_grid = self.multiprocessors * 4  # one wave of 512-thread blocks; blocks loop
-
-
-_devices = {}
-_streams = {}
-
-
-def nvrtc_version():
-    from cupy_backends.cuda.libs import nvrtc  # cupy.cuda.nvrtc is gone in CuPy 14
-
-    return tuple(nvrtc.getVersion())
-
-
-def _device(index):
-    device = _devices.get(index)
-    if device is None:
-        device = _devices[index] = _Device(index)
-    return device
-
-
-def _stream(index):
-    ptr = torch.cuda.current_stream(index).cuda_stream
-    stream = _streams.get(ptr)
-    if stream is None:
-        stream = _streams[ptr] = _Stream(ptr)
-    return stream
-
-
-def check():
-    """Compile for the current GPU; return a line saying what runs. Raises if CuPy cannot."""
-    if not cupy.cuda.is_available():
-        raise RuntimeError("cupy.cuda.is_available() is False")
-    index = torch.cuda.current_device()
-    device = _device(index)
-    return (
-        f"CuPy {cupy.__version__}, NVRTC {'.'.join(map(str, nvrtc_version()))}, "
-        f"{device.parameter_bytes}-byte kernel parameters "
-        f"({device.capacity[1]} tensors per launch)"
-    )
-
-
-def _launch(name, tensor_lists, arguments, first_chunk_argument=False):
-    """Run kernel `name` over parallel lists of contiguous tensors on one device."""
-    first = tensor_lists[0]
-    index = first[0].device.index
-    device = _device(index)
-    function = device.functions[name]
-    pointers = [list(map(torch.Tensor.data_ptr, tensors)) for tensors in tensor_lists]
-    numels = list(map(torch.Tensor.numel, first))
-    launches = _layout.plan(pointers, numels, device.capacity[len(tensor_lists)])
-    stream = _stream(index)
-    with cupy.cuda.Device(index):
-        for launch in launches:
-            extra = (launch.first_chunk,) if first_chunk_argument else ()
-            grid = (min(launch.chunks, device.max_grid),)
-            function(
-                grid,
-                (_layout.BLOCK,),
-                (launch.meta,) + arguments + extra + (_layout.CHUNK,),
-                stream=stream,
-            )
-    return launches
-
-
-_dtype = operator.attrgetter("dtype")  # C-level reads: no Python call per tensor on the step
-_is_contiguous = torch.Tensor.is_contiguous
-
-
-def _grouped(*lists):
-    """{(dtype per list): indices} for the tensors the kernels take (indices None: all of them),
-    and the indices of those they do not."""
-    keys = list(zip(*[map(_dtype, tensors) for tensors in lists]))
-    distinct = set(keys)
-    if (
-        len(distinct) == 1
-        and set(keys[0]) <= _TYPE_NAMES.keys()
-        and all(map(_is_contiguous, itertools.chain.from_iterable(lists)))
-    ):
-        return {keys[0]: None}, []  # the step's case: one dtype per list, all contiguous
-    ready = list(map(all, zip(*[map(_is_contiguous, tensors) for tensors in lists])))
-    groups, rest = {}, []
-    for index, key in enumerate(keys):
-        if ready[index] and set(key) <= _TYPE_NAMES.keys():
-            groups.setdefault(key, []).append(index)
-        else:
-            rest.append(index)
-    return groups, rest
-
-
-def _pick(values, indices):
-    return values if indices is None else [values[i] for i in indices]
+check = cuda.check  # compiles for the current GPU (the probe of amp.kernels.cuda_backend)
+_TYPE_NAMES = cuda.TYPE_NAMES
+_grouped, _pick = cuda.grouped, cuda.pick
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
 
 
 def unscale_(tensors, inv_scale, found_inf):
     groups, rest = _grouped(tensors)
     for (dtype,), indices in groups.items():
-        _launch(
+        cuda.launch(
             f"amp_unscale<{_TYPE_NAMES[dtype]}>",
             [_pick(tensors, indices)],
             (inv_scale.data_ptr(), found_inf.data_ptr()),
@@ -187,10 +32,10 @@ def unscale_(tensors, inv_scale, found_inf):
 def _pairwise(kernel, torch_fallback, sources, destinations, scale, found_inf):
     groups, rest = _grouped(sources, destinations)
     for pair, indices in groups.items():
-        if pair not in _SUPPORTED_PAIRS:
+        if pair not in cuda.SUPPORTED_PAIRS:
             rest.extend(range(len(sources)) if indices is None else indices)
             continue
-        _launch(
+        cuda.launch(
             f"{kernel}<{_TYPE_NAMES[pair[0]]}, {_TYPE_NAMES[pair[1]]}>",
             [_pick(sources, indices), _pick(destinations, indices)],
             (
@@ -244,18 +89,175 @@ def l2_norm(tensors):
     if total == 0:
         return out.zero_()
     partial = torch.empty(total, dtype=torch.float64, device=device)  # sums of squares, per chunk
-    _launch(
+    cuda.launch(
         f"amp_sum_squares<{_TYPE_NAMES[dtype]}>",
         [chosen],
         (partial.data_ptr(),),
         first_chunk_argument=True,
     )
     index = device.index
-    with cupy.cuda.Device(index):
-        _device(index).functions["amp_norm_finalize"](
+    with cuda.on_gpu(index):
+        cuda.gpu(index).functions["amp_norm_finalize"](
             (1,),
             (_layout.BLOCK,),
             (partial.data_ptr(), total, out.data_ptr()),
-            stream=_stream(index),
+            stream=cuda.stream(index),
         )
     return out
+
+
+# -- the check alone and the fused master steps ---------------------------------------------------
+
+# -- the check alone and the fused master steps ---------------------------------------------------
+
+
+class ChunkFlags:
+    """Which of the checked tensors held inf/NaN, as flags per chunk on the device until asked."""
+
+    def __init__(self, flags, chunks, rest):
+        self._flags = flags  # uint8 per chunk, in launch order
+        self._chunks = chunks  # [(tensor index, its chunk count)] in launch order
+        self._rest = rest  # (indices, TensorFlags) of the tensors the torch backend checked
+
+    def tensors(self):
+        """Indices of the tensors that held inf/NaN (reads the device)."""
+        flags = self._flags.tolist() if self._chunks else []
+        found, start = [], 0
+        for index, count in self._chunks:
+            if any(flags[start : start + count]):
+                found.append(index)
+            start += count
+        if self._rest is not None:
+            indices, rest = self._rest
+            found += [indices[i] for i in rest.tensors()]
+        return sorted(found)
+
+
+def check_(tensors, found_inf, inv_scale=None, inv_used=None):
+    groups, rest = _grouped(tensors)
+    index = tensors[0].device.index
+    device = cuda.gpu(index)
+    chunks = []
+    for indices in groups.values():
+        for i in range(len(tensors)) if indices is None else indices:
+            count = -(-tensors[i].numel() // _layout.CHUNK)
+            if count:
+                chunks.append((i, count))
+    flags = torch.empty(sum(count for _, count in chunks), dtype=torch.uint8, device=tensors[0].device)
+    first, used = 0, inv_used
+    for (dtype,), indices in groups.items():
+        chosen = _pick(tensors, indices)
+        numels = list(map(_numel, chosen))
+        launches = _layout.plan([list(map(_data_ptr, chosen))], numels, device.capacity[1])
+        for packed in launches:
+            packed.first_chunk += first
+        cuda.run(
+            f"amp_check<{_TYPE_NAMES[dtype]}>",
+            launches,
+            (
+                found_inf.data_ptr(),
+                flags.data_ptr(),
+                0 if inv_scale is None else inv_scale.data_ptr(),
+                0 if used is None else used.data_ptr(),
+            ),
+            index,
+            first_chunk_argument=True,
+        )
+        used = None  # copied by the first group's first launch
+        first += sum(packed.chunks for packed in launches)
+    checked_rest = None
+    if rest:
+        chosen = _pick(tensors, rest)
+        checked_rest = (rest, _torch_backend.check_(chosen, found_inf, inv_scale, used))
+    return ChunkFlags(flags, chunks, checked_rest)
+
+
+def _step_groups(grads, lows, *state):
+    """{(gradient dtype, low dtype or None): indices} of the rows a fused kernel takes (every
+    tensor contiguous, the master and its state float32, the low-precision weight of the
+    gradient's dtype), and the rows left to the torch backend."""
+    groups, rest = _grouped(grads, *state, *([lows] if lows is not None else []))
+    taken = {}
+    for key, indices in groups.items():
+        grad_type, low_type = key[0], key[-1] if lows is not None else None
+        state_types = key[1 : len(state) + 1]
+        if all(t is torch.float32 for t in state_types) and low_type in (None, grad_type):
+            taken[(grad_type, low_type)] = indices
+        else:
+            rest.extend(range(len(grads)) if indices is None else indices)
+    return taken, sorted(rest)
+
+
+def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
+    groups, rest = _step_groups(grads, lows, masters, exp_avgs, exp_avg_sqs, steps)
+    index = masters[0].device.index
+    device = cuda.gpu(index)
+    arguments = (
+        0 if inv_scale is None else inv_scale.data_ptr(),
+        0 if found_inf is None else found_inf.data_ptr(),
+        float(options["lr"]),
+        float(options["beta1"]),
+        float(options["beta2"]),
+        float(options["eps"]),
+        float(options["weight_decay"]),
+        int(options["decoupled"]),
+    )
+    for (grad_type, low_type), indices in groups.items():
+        rows = [grads, masters, exp_avgs, exp_avg_sqs]
+        rows = [_pick(row, indices) for row in rows]
+        pointers = [list(map(_data_ptr, row)) for row in rows]
+        count = len(rows[0])
+        pointers.append(list(map(_data_ptr, _pick(lows, indices))) if low_type else [0] * count)
+        pointers.append(list(map(_data_ptr, _pick(steps, indices))))
+        key = ("adam", grad_type, low_type, id(masters), count)
+        launches = cuda.planned(key, device, pointers, list(map(_numel, rows[0])))
+        types = f"{_TYPE_NAMES[grad_type]}, {_TYPE_NAMES[low_type or torch.float32]}"
+        cuda.run(f"amp_adam<{types}>", launches, arguments, index)
+        cuda.run("amp_count_steps", launches, (arguments[1],), index, chunked=False)
+    if rest:
+        _torch_backend.adam_step_(
+            *[_pick(row, rest) for row in (grads, masters, exp_avgs, exp_avg_sqs, steps)],
+            None if lows is None else _pick(lows, rest),
+            inv_scale,
+            found_inf,
+            options,
+        )
+
+
+def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
+    momentum_lists = [buffers] if options["momentum"] != 0 else []
+    groups, rest = _step_groups(grads, lows, masters, *momentum_lists)
+    index = masters[0].device.index
+    device = cuda.gpu(index)
+    momentum = float(options["momentum"])
+    arguments = (
+        0 if inv_scale is None else inv_scale.data_ptr(),
+        0 if found_inf is None else found_inf.data_ptr(),
+        float(options["lr"]),
+        momentum,
+        float(options["dampening"]),
+        float(options["weight_decay"]),
+        int(options["nesterov"]),
+    )
+    for (grad_type, low_type), indices in groups.items():
+        rows = [_pick(grads, indices), _pick(masters, indices)]
+        pointers = [list(map(_data_ptr, row)) for row in rows]
+        count = len(rows[0])
+        pointers.append(
+            list(map(_data_ptr, _pick(buffers, indices))) if momentum != 0 else [0] * count
+        )
+        pointers.append(list(map(_data_ptr, _pick(lows, indices))) if low_type else [0] * count)
+        key = ("sgd", grad_type, low_type, id(masters), count)
+        launches = cuda.planned(key, device, pointers, list(map(_numel, rows[0])))
+        types = f"{_TYPE_NAMES[grad_type]}, {_TYPE_NAMES[low_type or torch.float32]}"
+        cuda.run(f"amp_sgd<{types}>", launches, arguments, index)
+    if rest:
+        _torch_backend.sgd_step_(
+            _pick(grads, rest),
+            _pick(masters, rest),
+            _pick(buffers, rest) if momentum != 0 else buffers,
+            None if lows is None else _pick(lows, rest),
+            inv_scale,
+            found_inf,
+            options,
+        )

@@ -34,10 +34,13 @@ def max_tensors(depth, parameter_bytes):
     return count
 
 
+DEPTHS = (1, 2, 4, 6)  # the Meta structs multi_tensor.cu declares
+
+
 def compile_options(parameter_bytes):
     """The -D options that size the source's Meta structs for `parameter_bytes`."""
     options = []
-    for depth in (1, 2):
+    for depth in DEPTHS:
         count = max_tensors(depth, parameter_bytes)
         options.append(f"-DAMP_MAX_TENSORS_D{depth}={count}")
         options.append(f"-DAMP_META_BYTES_D{depth}={meta_dtype(depth, count).itemsize}")

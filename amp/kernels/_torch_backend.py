@@ -137,3 +137,86 @@ def l2_norm(tensors):
     if not (value < _SMALL_NORM or value == math.inf):  # NaN stays NaN
         return norm
     return _norm(_pieces(tensors), torch.float64).float()
+
+
+# -- the check alone and the fused master steps ---------------------------------------------------
+
+
+class TensorFlags:
+    """Which of the checked tensors held inf/NaN, on the device until asked."""
+
+    def __init__(self, flags):
+        self._flags = flags  # bool per tensor
+
+    def tensors(self):
+        """Indices of the tensors that held inf/NaN (reads the device)."""
+        return [index for index, bad in enumerate(self._flags.tolist()) if bad]
+
+
+def check_(tensors, found_inf, inv_scale=None, inv_used=None):
+    """found_inf = 1 if any element of `tensors` is inf/NaN, nothing else written; `inv_used`
+    takes `inv_scale`. Returns their TensorFlags."""
+    if inv_used is not None:
+        inv_used.copy_(inv_scale)
+    flags = torch.stack([torch.isfinite(t).all().logical_not() for t in tensors])
+    found_inf.copy_(torch.maximum(found_inf, flags.any().to(found_inf.dtype)))
+    return TensorFlags(flags)
+
+
+def _float32_gradients(grads, inv_scale):
+    """FP32 gradients to step with: the gradients times inv_scale (one rounding in float32),
+    or the gradients themselves when they are FP32 already and there is no scale."""
+    if inv_scale is None and set(map(_dtype, grads)) == {torch.float32}:
+        return grads
+    copies = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
+    torch._foreach_copy_(copies, grads)  # exact
+    if inv_scale is not None:
+        torch._foreach_mul_(copies, inv_scale)
+    return copies
+
+
+def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
+    """One step of AdamW (options["decoupled"]) or Adam by torch's fused op; see kernels."""
+    grads = _float32_gradients(grads, inv_scale)
+    torch._foreach_add_(steps, 1)
+    step = torch._fused_adamw_ if options["decoupled"] else torch._fused_adam_
+    step(
+        masters,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=options["lr"],
+        beta1=options["beta1"],
+        beta2=options["beta2"],
+        weight_decay=options["weight_decay"],
+        eps=options["eps"],
+        amsgrad=False,
+        maximize=False,
+        found_inf=found_inf,
+    )
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
+    if lows is not None:
+        torch._foreach_copy_(lows, masters)
+
+
+def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
+    """One step of SGD by torch's fused op; see kernels."""
+    grads = _float32_gradients(grads, inv_scale)
+    torch._fused_sgd_(
+        masters,
+        grads,
+        buffers if options["momentum"] != 0 else [],
+        weight_decay=options["weight_decay"],
+        momentum=options["momentum"],
+        lr=options["lr"],
+        dampening=options["dampening"],
+        nesterov=options["nesterov"],
+        maximize=False,
+        is_first_step=False,
+        found_inf=found_inf,
+    )
+    if lows is not None:
+        torch._foreach_copy_(lows, masters)

@@ -44,6 +44,15 @@ class Launches:
         self.calls = []
 
 
+_PYTHON_KERNELS = {
+    "amp_unscale",
+    "amp_scale_copy",
+    "amp_scale_add",
+    "amp_sum_squares",
+    "amp_norm_finalize",
+}
+
+
 class FakeKernel:
     def __init__(self, name, launches):
         self.name = name
@@ -58,6 +67,8 @@ class FakeKernel:
     def __call__(self, grid, block, args, stream=None):
         assert block == (_layout.BLOCK,) and len(grid) == 1 and grid[0] >= 1
         assert stream is not None and hasattr(stream, "ptr")
+        if self.kernel not in _PYTHON_KERNELS:
+            raise NotImplementedError(f"{self.name}: install with kernels='compiled' to run it")
         self.launches.calls.append((self.name, grid, len(args)))
         if self.kernel == "amp_norm_finalize":
             partial, count, out = args
@@ -175,6 +186,7 @@ def install(
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "amp.kernels._cupy_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "amp.kernels._cupy_device", raising=False)
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
@@ -184,9 +196,13 @@ def install(
     )
     import amp.kernels
 
+    # `from . import _cupy_device` takes the package's attribute if an earlier import left one.
+    monkeypatch.delattr(amp.kernels, "_cupy_device", raising=False)
     backend = importlib.import_module("amp.kernels._cupy_backend")
     monkeypatch.setattr(amp.kernels, "_cupy_backend", backend, raising=False)
-    monkeypatch.setattr(backend, "_stream", lambda index: types.SimpleNamespace(ptr=0))
-    # Registered with monkeypatch so that teardown removes it: the real one is imported afresh.
+    monkeypatch.setattr(backend.cuda, "stream", lambda index: types.SimpleNamespace(ptr=0))
+    # Registered with monkeypatch so that teardown removes them: the real ones are imported afresh.
     monkeypatch.setitem(sys.modules, "amp.kernels._cupy_backend", backend)
+    monkeypatch.setitem(sys.modules, "amp.kernels._cupy_device", backend.cuda)
+    monkeypatch.setattr(amp.kernels, "_cupy_device", backend.cuda, raising=False)
     return backend, launches

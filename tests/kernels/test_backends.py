@@ -405,7 +405,7 @@ def test_source_compiles_with_nvcc(tmp_path, budget):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_ptx_has_no_flushing_multiply_even_with_ftz(tmp_path):
+def test_ptx_has_no_flushing_arithmetic_even_with_ftz(tmp_path):
     # CuPy appends -ftz=true; the unscale arithmetic must still keep subnormals.
     ptx = tmp_path / "kernels.ptx"
     arch = _nvcc_architectures()[-1].replace("sm_", "compute_")
@@ -426,8 +426,8 @@ def test_ptx_has_no_flushing_multiply_even_with_ftz(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     text = ptx.read_text()
-    assert "mul.rn.f32" in text and "add.rn.f32" in text
-    assert "mul.rn.ftz.f32" not in text and "add.rn.ftz.f32" not in text
+    for op in ("mul", "add", "sub", "div", "sqrt", "fma"):  # the fused steps' arithmetic too
+        assert f"{op}.rn.f32" in text and f"{op}.rn.ftz.f32" not in text, op
     assert ".local" not in text  # the Meta struct is read from parameter space, never copied
 
 

@@ -275,8 +275,35 @@ __global__ void products(const float* a, const float* b, float* plain, float* rn
   plain[threadIdx.x] = a[threadIdx.x] * b[threadIdx.x];
   rn[threadIdx.x] = probe_mul_rn(a[threadIdx.x], b[threadIdx.x]);
 }
+__device__ float probe_sub(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ float probe_div(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ float probe_sqrt(float a) {
+  float r;
+  asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+__device__ float probe_fma(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+__global__ void arithmetic(const float* a, const float* b, const float* c, float* out) {
+  const int i = threadIdx.x, n = blockDim.x;
+  out[i] = probe_sub(a[i], b[i]);
+  out[n + i] = probe_div(a[i], b[i]);
+  out[2 * n + i] = probe_sqrt(a[i]);
+  out[3 * n + i] = probe_fma(a[i], b[i], c[i]);
+}
 """
-PROBE_NAMES = ["last_writer", "diverge", "vote", "block_sums", "products"]
+PROBE_NAMES = ["last_writer", "diverge", "vote", "block_sums", "products", "arithmetic"]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-ftz", "ftz"])
@@ -336,10 +363,24 @@ def test_ftz_flushes_plain_float_arithmetic_but_not_inline_ptx(probes):
         assert_bitwise([plain], [exact])
 
 
+def test_the_fused_steps_ptx_is_computed_exactly_with_subnormals_kept(probes):
+    a = torch.tensor([2e-39, 5.0, 1e-30, 7.0, 3e-39, 0.1] * 8)
+    b = torch.tensor([1e-39, 3.0, 1e8, 1e-10, 2e-39, 0.3] * 8)
+    c = torch.tensor([1e-40, -15.0, -1e-22, 1.0, -6e-78, 0.03] * 8)
+    out = torch.empty(4 * 48)
+    probes.launch("arithmetic", (1,), (48,), tuple(t.data_ptr() for t in (a, b, c, out)))
+    # torch on the CPU computes each in IEEE float32 with subnormals (fma in float64 is exact
+    # here: the products fit its 53 bits, and the sum rounds once to float32 but for ties).
+    exact_fma = (a.double() * b.double() + c.double()).float()
+    expected = torch.cat([a - b, a / b, a.sqrt(), exact_fma])
+    assert_bitwise([out], [expected])
+    assert (expected[:48] != 0).any() and expected[:48].abs().min() < 1.2e-38  # subnormals
+
+
 def test_unknown_inline_ptx_fails_the_build():
     source = """__global__ void k(float* out) {
       float r, a = 1.0f, b = 2.0f;
-      asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+      asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
       out[0] = r;
     }"""
     with pytest.raises(RuntimeError, match="inline PTX the CUDA emulation does not compute"):

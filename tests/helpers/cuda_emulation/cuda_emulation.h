@@ -6,7 +6,7 @@
 //   shuffled), so a result that depends on the order of threads within a phase shows up.
 //   Blocks run one after another, in the same order.
 // - __shared__ is a static thread_local: one copy per OS thread, shared by the block that runs.
-// - Inline PTX: the two instructions the source uses (mul.rn.f32, add.rn.f32) are computed
+// - Inline PTX: the instructions the source uses (mul/add/sub/div/sqrt/fma .rn.f32) are computed
 //   exactly, with subnormals kept whatever the emulated flush-to-zero mode (see AMP_EMU_PTX).
 // - -ftz=true (which CuPy always appends) is emulated by the x86 MXCSR FTZ and DAZ bits for the
 //   whole launch, so plain float arithmetic flushes subnormal inputs and results as on the GPU.
@@ -237,13 +237,17 @@ int launch(void (*kernel)(Params...), const LaunchSpec& spec, void* const* args,
 
 namespace ptx {
 
-enum Opcode { kMul, kAdd, kUnknown };
+enum Opcode { kMul, kAdd, kSub, kDiv, kSqrt, kFma, kUnknown };
 
 // The inline-PTX statements the shim computes, as the source writes them (whitespace aside):
-// `asm("<opcode> %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b))`.
+// `asm("<opcode> %0, %1[, %2[, %3]];" : "=f"(r) : "f"(a)[, "f"(b)[, "f"(c)]])`.
 constexpr const char* kStatements[] = {
     "\"mul.rn.f32%0,%1,%2;\":\"=f\"(r):\"f\"(a),\"f\"(b)",
     "\"add.rn.f32%0,%1,%2;\":\"=f\"(r):\"f\"(a),\"f\"(b)",
+    "\"sub.rn.f32%0,%1,%2;\":\"=f\"(r):\"f\"(a),\"f\"(b)",
+    "\"div.rn.f32%0,%1,%2;\":\"=f\"(r):\"f\"(a),\"f\"(b)",
+    "\"sqrt.rn.f32%0,%1;\":\"=f\"(r):\"f\"(a)",
+    "\"fma.rn.f32%0,%1,%2,%3;\":\"=f\"(r):\"f\"(a),\"f\"(b),\"f\"(c)",
 };
 
 constexpr bool same_but_spaces(const char* text, const char* pattern) {
@@ -257,7 +261,7 @@ constexpr bool same_but_spaces(const char* text, const char* pattern) {
 }
 
 constexpr Opcode opcode(const char* statement) {
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kUnknown; ++i) {
     if (same_but_spaces(statement, kStatements[i])) return static_cast<Opcode>(i);
   }
   return kUnknown;
@@ -266,13 +270,21 @@ constexpr Opcode opcode(const char* statement) {
 // .rn without .ftz: round to nearest even, subnormal inputs and results kept, whatever the
 // emulated -ftz mode. The empty asm statements pin the arithmetic between the MXCSR writes.
 template <Opcode op>
-inline float execute(float a, float b) {
+inline float execute(float a, float b, float c) {
 #if AMP_EMU_HAS_FTZ
   const unsigned int csr = _mm_getcsr();
   _mm_setcsr(csr & ~0x8040u);
-  __asm__ volatile("" : "+x"(a), "+x"(b));
+  __asm__ volatile("" : "+x"(a), "+x"(b), "+x"(c));
 #endif
-  float r = op == kMul ? a * b : a + b;
+  float r;
+  switch (op) {
+    case kMul: r = a * b; break;
+    case kAdd: r = a + b; break;
+    case kSub: r = a - b; break;
+    case kDiv: r = a / b; break;
+    case kSqrt: r = sqrtf(a); break;
+    default: r = fmaf(a, b, c); break;
+  }
 #if AMP_EMU_HAS_FTZ
   __asm__ volatile("" : "+x"(r));
   _mm_setcsr(csr);
@@ -280,8 +292,15 @@ inline float execute(float a, float b) {
   return r;
 }
 
+// Operands a statement does not name: the macro below passes a, b and c to every statement, and
+// a function of one or two operands finds these (its own a, b shadow them).
+inline float b = 0.0f, c = 0.0f;
+
 }  // namespace ptx
 }  // namespace amp_emu
+
+using amp_emu::ptx::b;
+using amp_emu::ptx::c;
 
 #define threadIdx (::amp_emu::thread_index())
 #define blockIdx (::amp_emu::grid->block)
@@ -305,12 +324,13 @@ inline float __uint_as_float(unsigned int bits) {
 
 // Inline PTX. g++ cannot take PTX, and a macro cannot split the operand lists, so the statement
 // is stringized and matched whole against the ones the shim knows, with their operand names
-// (r = a op b, as in multi_tensor.cu). Any other inline PTX fails the build here.
+// (r = op(a[, b[, c]]), as in multi_tensor.cu). Any other inline PTX fails the build here.
 #define asm(...)                                                                              \
   do {                                                                                        \
     constexpr ::amp_emu::ptx::Opcode amp_emu_opcode = ::amp_emu::ptx::opcode(#__VA_ARGS__);  \
     static_assert(amp_emu_opcode != ::amp_emu::ptx::kUnknown,                                 \
                   "inline PTX the CUDA emulation does not compute; it knows "                 \
-                  "asm(\"mul.rn.f32 / add.rn.f32 %0, %1, %2;\" : \"=f\"(r) : \"f\"(a), \"f\"(b))"); \
-    r = ::amp_emu::ptx::execute<amp_emu_opcode>(a, b);                                        \
+                  "asm(\"mul|add|sub|div.rn.f32 %0, %1, %2;\" : \"=f\"(r) : \"f\"(a), \"f\"(b)) "  \
+                  "and sqrt.rn.f32 / fma.rn.f32 with one / three operands");                   \
+    r = ::amp_emu::ptx::execute<amp_emu_opcode>(a, b, c);                                     \
   } while (0)
