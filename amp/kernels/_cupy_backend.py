@@ -143,7 +143,9 @@ def check_(tensors, found_inf, inv_scale=None, inv_used=None):
             count = -(-tensors[i].numel() // _layout.CHUNK)
             if count:
                 chunks.append((i, count))
-    flags = torch.empty(sum(count for _, count in chunks), dtype=torch.uint8, device=tensors[0].device)
+    flags = torch.empty(
+        sum(count for _, count in chunks), dtype=torch.uint8, device=tensors[0].device
+    )
     first, used = 0, inv_used
     for (dtype,), indices in groups.items():
         chosen = _pick(tensors, indices)

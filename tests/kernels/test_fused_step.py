@@ -171,9 +171,7 @@ def test_the_sgd_kernel_is_the_torch_backend_bit_for_bit(kernel, one_thread, opt
 def test_sizes_that_leave_torchs_scalar_loop_work_are_within_an_ulp(kernel):
     adam, sgd = adam_state(ODD_SIZES, torch.bfloat16), sgd_state(ODD_SIZES, torch.bfloat16)
     assert_within_an_ulp(run_adam(kernel, adam, True), run_adam(_torch_backend, adam, True))
-    assert_within_an_ulp(
-        run_sgd(kernel, sgd, SGD[1]), run_sgd(_torch_backend, sgd, SGD[1])
-    )
+    assert_within_an_ulp(run_sgd(kernel, sgd, SGD[1]), run_sgd(_torch_backend, sgd, SGD[1]))
 
 
 @emulated
