@@ -18,9 +18,15 @@ from .casting.registration import (
 from .diagnostics import origin as _origin
 from .diagnostics.audit import audit
 from .diagnostics.nonfinite_loss import NonFiniteLossWarning
-from .diagnostics.overflow import last_overflow
 from .diagnostics.trace import trace
-from .frontend import deinitialize, initialize, load_state_dict, master_params, state_dict
+from .frontend import (
+    deinitialize,
+    initialize,
+    last_overflow,
+    load_state_dict,
+    master_params,
+    state_dict,
+)
 from .scaling.grad_scaler import GradScaler
 from .scaling.handle import scale_loss
 

@@ -120,8 +120,9 @@ class AmpState:
         self.verbosity = 1
         self.models = []
         self.optimizers = []  # weights.optimizer.OptimizerRecord per optimizer, in initialize's order
-        self.masters = {}  # id(model parameter) -> its FP32 master (O2)
-        self.shadows = {}  # id(cast model parameter) -> its weights.shadows.Shadow (O2)
+        # weights.table.ParamTable of each optimizer and (O2) of the cast parameters no optimizer
+        # steps: every FP32 copy of a cast parameter is in one of them
+        self.tables = []
         self.fp32_modules = set()  # the modules fp32_modules= keeps in FP32 (casting.fp32_modules)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []
@@ -131,7 +132,6 @@ class AmpState:
         self.nonfinite_loss_run = None
         if self.origin_watch is not None:
             self.origin_watch.disarm()  # no hook outlives the initialize that armed it
-        self.parameter_watch = None  # weights.engines.ParameterWatch of the optimizers' parameters
 
 
 amp_state = AmpState()

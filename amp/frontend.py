@@ -19,10 +19,19 @@ from .scaling.scaler import LossScaler, check_state
 from .weights import engines
 from .weights import model as model_module
 from .weights import optimizer as optimizer_module
+from .diagnostics import overflow
 from .weights.masters import match_state_to_params
+from .weights.skip import learn_all
 from .weights.snapshot import Snapshot
 
-__all__ = ["initialize", "deinitialize", "state_dict", "load_state_dict", "master_params"]
+__all__ = [
+    "initialize",
+    "deinitialize",
+    "state_dict",
+    "load_state_dict",
+    "last_overflow",
+    "master_params",
+]
 
 _VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _SCALER_KEY = re.compile(r"loss_scaler(\d+)\Z")
@@ -249,9 +258,7 @@ def initialize(
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
             for _ in range(num_losses)
         ]
-        amp_state.parameter_watch = engines.watch_parameters(
-            model_list, optimizer_list, on_move=model_module.follow_parameter
-        )
+        engines.anchor(amp_state.optimizers, model_list)
     except BaseException:
         _roll_back(ledger, snapshot, patches_installed)
         raise
@@ -349,6 +356,7 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     Plain Python values only (readable with ``torch.load(..., weights_only=True)``); apex's format.
     """
     _check_initialized("amp.state_dict()")
+    learn_all(amp_state.optimizers)  # the skips not learned yet are reported first
     if destination is None:
         destination = collections.OrderedDict()
     for index, scaler in enumerate(amp_state.loss_scalers):
@@ -415,6 +423,16 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
             )
 
 
+def last_overflow() -> Any:
+    """The OverflowReport of the last skipped step, or None if no step has been skipped.
+
+    A skip the host has not learned of yet (its flag still on its way from the device) is
+    learned and reported first.
+    """
+    learn_all(amp_state.optimizers)
+    return overflow.last_overflow()
+
+
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     """Yield the parameters `optimizer` steps: the FP32 masters under O2 (for gradient clipping).
 
@@ -426,5 +444,5 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
         raise TypeError(f"amp.master_params expects an optimizer; got {type(optimizer).__name__}.")
     record = getattr(optimizer, "__dict__", {}).get("_amp_record")
     if record is not None:  # a write to the model since the last step shows in its master
-        record.follow_external_writes()
+        record.expose_masters()
     return (param for group in optimizer.param_groups for param in group["params"])

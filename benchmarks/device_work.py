@@ -17,8 +17,14 @@ with its tensors, and counts:
                leaving out parameters and master weights, which exist anyway.
   host reads   ops whose result the host waits for (.item(), bool(tensor)): on a GPU each one
                is a synchronisation. `.tolist()` of a real CPU tensor reads its memory without
-               an op, so it is seen on FakeTensors only (one read per element). torch.optim's reads of its own step counters are
-               left out: torch keeps them on the host in its non-capturable CUDA paths.
+               an op, so it is seen on FakeTensors only (one read per element). torch.optim's
+               reads of its own step counters are left out: torch keeps them on the host in its
+               non-capturable CUDA paths. So are reads of a tensor that `copy_(...,
+               non_blocking=True)` filled (a copy into host memory, read once it has arrived:
+               the copy is the launch, the read waits for nothing). amp's copies of its flags
+               (amp/weights/checks.py) are taken as not arrived by the step after them, as on a
+               GPU, which runs that far behind the host: where amp would then read the device,
+               the read is counted.
 
 Phases: "forward" until the first op of a backward, "backward" while autograd's engine runs,
 "after backward" from then on (unscaling, the skip decision, the optimizer step, copies back).
@@ -31,8 +37,10 @@ counter reads 1.
 """
 
 import collections
+import contextlib
 import dataclasses
 import sys
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -149,6 +157,7 @@ class DeviceWork(TorchDispatchMode):
         self.ops = collections.Counter()
         self.op_bytes = collections.Counter()
         self._backward_seen = False
+        self._host_copies = set()  # storages that a non-blocking copy filled
 
     def _phase(self):
         if torch._C._current_graph_task_id() != -1:
@@ -162,13 +171,17 @@ class DeviceWork(TorchDispatchMode):
         phase = self.phases[phase_name]
         if func in _HOST_READS:
             from_optim = _from_torch_optim(sys._getframe(1))
-            if not from_optim:
+            if not (from_optim or _storage_key(args[0]) in self._host_copies):
                 phase.host_reads += 1
             if self.fake:
                 value = 1 if from_optim else 0
                 return bool(value) if func is _aten.is_nonzero.default else value
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        if func is _aten.copy_.default and (
+            kwargs.get("non_blocking") or (len(args) > 2 and args[2])
+        ):
+            self._host_copies.add(_storage_key(args[0]))
         if func.is_view or func in _NO_KERNEL or func.namespace != "aten":
             return out
         phase.launches += 1
@@ -208,10 +221,29 @@ def _storage_key(tensor):
     return tensor.untyped_storage()._cdata
 
 
+@contextlib.contextmanager
+def copies_in_flight():
+    """amp's host copies of its flags have not arrived by the step after them (module doc)."""
+    from amp.weights.checks import Check
+
+    arrived = Check.arrived
+
+    def not_yet(check, wait=False):
+        return arrived(check, wait) if wait or check.learned else False
+
+    with mock.patch.object(Check, "arrived", not_yet):
+        yield
+
+
 def measure(trainer, batch, parameters, parameter_count, fake=False, warmup=2):
     """StepWork of one step of `trainer` on `batch`, after `warmup` steps. `parameters`: the
     tensors that exist anyway (the model's parameters), left out of `saved`; `parameter_count`:
     the model's parameter elements (the denominator of bytes per parameter)."""
+    with copies_in_flight():
+        return _measure(trainer, batch, parameters, parameter_count, fake, warmup)
+
+
+def _measure(trainer, batch, parameters, parameter_count, fake, warmup):
     counter = DeviceWork(fake)
     with counter:  # the warm-up too: under FakeTensorMode its host reads need an answer
         for _ in range(warmup):

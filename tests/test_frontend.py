@@ -265,7 +265,7 @@ def test_deinitialize_round_trip_is_exact(opt_level):
     assert_unchanged(model, optimizer, before)
     assert all(getattr(torch, name) is value for name, value in torch_attributes.items())
     assert dict(vars(torch.Tensor)) == tensor_attributes
-    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.masters == {}
+    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.tables == []
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -327,7 +327,7 @@ def test_deinitialize_without_initialize_is_a_no_op():
     )
     assert_unchanged(model, optimizer, before)
     assert type(optimizer).step is optimizer.step.__func__ and "_amp_record" not in vars(optimizer)
-    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.masters == {}
+    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.tables == []
     assert amp._amp_state.loss_scalers == () and amp._amp_state.opt_properties.enabled is False
     with pytest.raises(RuntimeError, match="amp.initialize"):
         amp.state_dict()
@@ -567,7 +567,7 @@ def test_initialize_failing_late_puts_everything_back_exactly(opt_level, monkeyp
     def fail(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(engines, "watch_parameters", fail)
+    monkeypatch.setattr(engines, "anchor", fail)
     with pytest.raises(RuntimeError, match="injected failure"):
         amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
     monkeypatch.undo()

@@ -4,9 +4,13 @@ run of such steps, with where the inf/NaN started (the origin watch of the step 
 The scale stays where it was on such a step (scaling/finite_loss.py says why).
 """
 
+import os
+import sys
 import warnings
 
 from .._state import amp_state
+
+_AMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 __all__ = ["NonFiniteLossWarning", "after_clean_step", "after_bad_loss"]
 
@@ -55,5 +59,14 @@ def _warn(loss_id, origin, watched_clean):
         "amp.last_overflow().origin has the details. This warning comes once per run of such "
         "steps.",
         NonFiniteLossWarning,
-        stacklevel=6,
+        stacklevel=_outside_amp(),
     )
+
+
+def _outside_amp():
+    """The stacklevel of the first caller outside amp: the user's step(), zero_grad() or
+    scale_loss, whichever learned of the skip."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_AMP_DIR):
+        frame, level = frame.f_back, level + 1
+    return level

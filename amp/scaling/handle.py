@@ -5,11 +5,9 @@ from typing import Any
 
 import torch
 
-from .. import distributed
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import is_optimizer_like
 from . import finite_loss
-from ..weights.skip import OverflowFlag
 
 
 def _checked_records(optimizers):
@@ -91,7 +89,6 @@ class _ScaleLoss:
         "delay_overflow_check",
         "records",
         "scaler",
-        "loss_ok",
     )
 
     def __init__(self, loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
@@ -153,10 +150,11 @@ class _ScaleLoss:
         # only raise the peak memory (and slow the backward's allocations).
         if amp_state.cast_cache.filled:
             amp_state.cast_cache.clear()
-        self.loss_ok = finite_loss.check(
-            self.loss,
-            scaler.dynamic and not (delay_unscale or self.delay_overflow_check),
-        )
+        if amp_state.origin_watch.armed:
+            amp_state.origin_watch.note_loss(self.loss)
+        for record in records:
+            if record.skips.waiting:  # a skip whose results arrived since: reported now
+                record.skips.poll()
         entered = []
         try:
             inv_scale = scaler.inv_scale(self.loss.device)
@@ -185,20 +183,31 @@ class _ScaleLoss:
             # The block exited normally: unscale, check, and let the scale follow.
             scaler = self.scaler
             delay_unscale = self.delay_unscale
-            flag = None if delay_unscale else OverflowFlag(self.loss.device)
+            checked = scaler.dynamic and not (delay_unscale or self.delay_overflow_check)
+            device = self.loss.device
+            if delay_unscale:
+                found = None
+            elif checked:
+                check = scaler.open_check(self.loss_id, device)
+                found = check.found
+            else:
+                found = scaler.scratch_flag(device)  # static scales never skip
             for record in records:
-                record.stash.commit(flag)
+                record.stash.commit(found)
             if not delay_unscale and not scaler.dynamic:
                 scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
-            if delay_unscale or not scaler.dynamic or self.delay_overflow_check:
+            if not checked:
                 return False
+            finite_loss.check(self.loss, check)
             # Every rank takes the same skip decision, even when only one saw the overflow.
-            loss_ok = self.loss_ok
-            if distributed.is_distributed():
-                loss_ok = finite_loss.agree(flag, loss_ok)
-            finite_loss.update(scaler, flag, loss_ok)
+            finite_loss.agree(check)
+            for record in amp_state.optimizers:  # the update changes the inverse scale in place:
+                if record.stash.frames:  # blocks still open keep the one they used
+                    record.stash.freeze_scale(scaler)
+            scaler.update(check)
             for record in records:
-                record.skips.pending.append((self.loss_id, flag, loss_ok, scaler))
+                record.skips.add(check)
+            return False
         finally:
             if amp_state.cast_cache.filled:
                 amp_state.cast_cache.clear()

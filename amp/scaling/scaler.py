@@ -5,6 +5,18 @@ import math
 import torch
 
 from .._state import amp_state
+from ..weights.checks import (
+    FOUND,
+    FOUND_EFFECTIVE,
+    INV,
+    INV_USED,
+    STATE_LENGTH,
+    TRACKER,
+    Check,
+    ScaleMirror,
+    new_state,
+    views,
+)
 
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
@@ -12,7 +24,6 @@ DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
 # scale that kept halving cannot reach 0 and turn clean gradients into 0 * inf = NaN.
 SCALE_FLOOR = 2.0**-126
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-_reciprocal = torch.reciprocal  # bound at import, before amp's O1 tables could patch it
 _INT32_MAX = 2**31 - 1
 
 
@@ -21,8 +32,14 @@ class LossScaler:
 
     Dynamic: start at min(init_scale, max_loss_scale); on an overflow halve (never below
     min_loss_scale) and restart the count; after `growth_interval` consecutive clean updates
-    double (never above max_loss_scale). The scale and the count live in tensors on the device
-    of the first loss scaled, and `update` runs there, so scaling never waits for the GPU.
+    double (never above max_loss_scale). A non-finite loss changes neither the scale nor the
+    count (finite_loss.py says why).
+
+    The device holds a small state on the device of the first loss scaled (weights/checks.py):
+    the inverse scale (losses are divided by it, gradients multiplied), the count, and the last
+    block's flags, so that an update is a few ops on the device and nothing waits for it. The
+    host knows the scale and count from its mirror, replayed from each block's check once the
+    copy of its results has arrived; `loss_scale()` waits for the copies not yet arrived.
     """
 
     def __init__(
@@ -37,7 +54,6 @@ class LossScaler:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = max_loss_scale
         self._floor = max(min_loss_scale or 0.0, SCALE_FLOOR)  # where a back-off stops
-        self.growth_interval = growth_interval
         if self.dynamic:
             start = init_scale if max_loss_scale is None else min(max_loss_scale, init_scale)
             if min_loss_scale is not None:
@@ -45,69 +61,112 @@ class LossScaler:
         else:
             start = float(loss_scale)
         self._init_scale = start
-        self._init_unskipped = 0
-        self._scale = None  # float32 0-dim tensor, created on first use (dynamic only)
-        # 1 / scale, kept next to it: one op per update, none per unscale. A new tensor at every
-        # change, never written in place: a block keeps the one its loss was scaled with.
-        self._inv = None
-        self._unskipped = None  # int32 0-dim tensor: clean updates since the last change
+        self.is_identity = not self.dynamic and start == 1.0  # nothing to scale, nothing to check
+        # Where an update clamps the inverse scale: 1/max_loss_scale (without one, 2**-127, whose
+        # inverse float32 still holds) and 1/floor.
+        self._inv_bounds = (
+            _float32(1.0 / max_loss_scale) if max_loss_scale is not None else 2.0**-127,
+            _float32(1.0 / self._floor),
+        )
+        self._mirror = ScaleMirror(start, 0, growth_interval, self._floor, max_loss_scale)
+        self._state = None  # the device state (weights/checks.py), made on first use
+        self._inv = self._tracker = self._effective = self._views = None  # views of it
+        self._last = None  # the Check of the last unscaling block
+        self._hosts = []  # host memory for the copies of the state, reused in turn
+        self._host_checks = []  # the check whose copy each holds
+        self._next_host = -1
         self._static_inv = {}  # device -> 1 / scale for static scalers
+        self._scratch = {}  # device -> a flag nobody reads (static scalers never skip)
         # Backward passes a static scaler unscaled: what apex's `_unskipped` counted for it, kept
         # only for amp._amp_state (amp.state_dict() reports 0, see apex_interop/apex_state.py).
         self.static_passes = 0
 
     @property
-    def is_identity(self):
-        """True for a static scale of 1.0: nothing to scale, nothing to check."""
-        return not self.dynamic and self._init_scale == 1.0
+    def growth_interval(self):
+        return self._mirror.growth_interval
 
-    def _tensors(self, device):
-        if self._scale is None:
-            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-            # The reciprocal on the host in float64, then float32 (as torch's GradScaler does).
-            self._inv = torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
-            self._unskipped = torch.full((), self._init_unskipped, dtype=torch.int32, device=device)
-        return self._scale
+    @growth_interval.setter
+    def growth_interval(self, value):
+        self._mirror.learn(wait=True)  # the updates made with the old interval are replayed first
+        self._mirror.growth_interval = value
+
+
+    def _device_state(self, device):
+        if self._state is None:
+            mirror = self._mirror
+            state = self._state = new_state(_float32(1.0 / mirror.scale), mirror.unskipped, device)
+            self._inv = state[INV].view(torch.float32)
+            self._tracker = state[TRACKER]
+            self._effective = state[FOUND_EFFECTIVE].view(torch.float32)
+            self._views = views(state)
+        return self._state
 
     def scale(self, loss):
-        """loss.float() * scale."""
+        """loss.float() * scale (dynamic: divided by the inverse, the same for a power of two)."""
         if not self.dynamic:
             return loss.float() * self._init_scale
-        device = loss.device
-        scale = self._scale if self._scale is not None else self._tensors(device)
-        if scale.device != device:
-            scale = scale.to(device, non_blocking=True)
-        return loss.float() * scale
+        inv = self._inv if self._state is not None else self.inv_scale(loss.device)
+        if inv.device != loss.device:
+            inv = inv.to(loss.device, non_blocking=True)
+        return loss.float() / inv
 
     def inv_scale(self, device):
-        """1 / scale as a float32 1-element tensor on `device`."""
+        """1 / scale as a float32 0-dim tensor on `device`. A dynamic scaler's is its live
+        state, which the next update changes in place."""
         if not self.dynamic:
             inv = self._static_inv.get(device)
             if inv is None:
                 inv = torch.full((), 1.0 / self._init_scale, dtype=torch.float32, device=device)
                 self._static_inv[device] = inv
             return inv
-        if self._scale is None:
-            self._tensors(device)
+        if self._state is None:
+            self._device_state(device)
         inv = self._inv
         return inv if inv.device == device else inv.to(device, non_blocking=True)
 
-    def update(self, flag):
-        """Back off or grow according to `flag` (an OverflowFlag), on the device; no sync."""
-        if not self.dynamic:
-            return
-        flag = flag.tensor
-        scale = self._scale if self._scale is not None else self._tensors(flag.device)
-        found_inf = (
-            flag if flag.device == scale.device else flag.to(scale.device, non_blocking=True)
-        )
-        torch._amp_update_scale_(scale, self._unskipped, found_inf, 2.0, 0.5, self.growth_interval)
-        scale.clamp_(min=self._floor, max=self.max_loss_scale)
-        # Dynamic scales are powers of two times the start, so float32's reciprocal is exact;
-        # for any other value it is the correctly rounded one. torch.reciprocal's original (amp
-        # patches nothing it calls here): its own arithmetic stays out of the user's casts and
-        # traces.
-        self._inv = _reciprocal(scale)
+    def scratch_flag(self, device):
+        """A float32 flag for unscaling whose overflow nobody reads (static scalers)."""
+        flag = self._scratch.get(device)
+        if flag is None:
+            flag = self._scratch[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return flag
+
+    def open_check(self, loss_id, device):
+        """A Check for the block about to unscale: the state's flags cleared (one op). If an
+        optimizer still waits on the last block's, those are kept apart first."""
+        state = self._state if self._state is not None else self._device_state(device)
+        last = self._last
+        if last is not None and last.holders:
+            last.freeze()
+        state[FOUND:INV_USED].zero_()
+        check = self._last = Check(loss_id, self._mirror, state, self._views)
+        return check
+
+    def update(self, check):
+        """Back off or grow by what `check`'s block found, on the device; no sync. A non-finite
+        loss keeps scale and count: the overflow it caused is not counted (effective) and the
+        count the update adds is taken back first. Then the copy of the state to the host."""
+        effective, tracker, inv = self._effective, self._tracker, self._inv
+        torch.gt(check.found, check.bad, out=effective)
+        tracker.sub_(check.bad)
+        # The scale's rule on its inverse: a back-off doubles it, a growth halves it.
+        mirror = self._mirror
+        torch._amp_update_scale_(inv, tracker, effective, 0.5, 2.0, mirror.growth_interval)
+        if mirror.may_reach_a_bound():  # else the clamp could change nothing: left out
+            inv.clamp_(*self._inv_bounds)
+        # Host memory for the copy: a few buffers reused in turn, the oldest once read.
+        hosts = self._hosts
+        if len(hosts) < _HOST_COPIES:
+            host = torch.empty(STATE_LENGTH, dtype=torch.int32, pin_memory=inv.is_cuda)
+            hosts.append(host)
+            self._host_checks.append(check)
+        else:
+            slot = self._next_host = (self._next_host + 1) % _HOST_COPIES
+            host = hosts[slot]
+            if not self._host_checks[slot].learned:
+                mirror.learn(wait=True)  # a copy that old: read before it is overwritten
+            self._host_checks[slot] = check
+        check.post(host)
 
     def count_pass(self):
         """Note a backward pass this scaler scaled and unscaled (static scalers only count)."""
@@ -147,12 +206,19 @@ class LossScaler:
             )
 
     def loss_scale(self):
-        """The current scale as a float (reads the device: a sync on CUDA)."""
-        return self._init_scale if self._scale is None else self._scale.item()
+        """The current scale as a float: the host's mirror, once every update's results have
+        reached the host (it waits for those still on their way)."""
+        if not self.dynamic:
+            return self._init_scale
+        self._mirror.learn(wait=True)
+        return self._mirror.scale
 
     def unskipped(self):
         """Clean updates since the scale last changed (0 for static scalers)."""
-        return self._init_unskipped if self._unskipped is None else int(self._unskipped.item())
+        if not self.dynamic:
+            return self._mirror.unskipped
+        self._mirror.learn(wait=True)
+        return self._mirror.unskipped
 
     def state_dict(self):
         # "dynamic" records the scaler's kind, so a load into the other kind is refused; apex's
@@ -165,13 +231,25 @@ class LossScaler:
 
     def load_state_dict(self, state):
         """Load an entry validated by `check_state` against this scaler (cannot fail)."""
-        self._init_scale = state["loss_scale"]
-        self._init_unskipped = state["unskipped"]
-        self._static_inv = {}
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-            self._inv = torch.full_like(self._inv, 1.0 / self._init_scale)
-            self._unskipped.fill_(self._init_unskipped)
+        scale, unskipped = state["loss_scale"], state["unskipped"]
+        self._mirror.reset(scale, unskipped)
+        if self.dynamic:
+            self._static_inv = {}
+            if self._state is not None:
+                self._inv.fill_(_float32(1.0 / scale))
+                self._tracker.fill_(unskipped)
+        else:
+            self._init_scale = scale
+            self.is_identity = scale == 1.0
+            self._static_inv = {}
+
+
+def _float32(value):
+    """`value` rounded to float32, as a Python float."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+_HOST_COPIES = 4  # copies of a scaler's state on their way to the host at most
 
 
 def _number(value, what):

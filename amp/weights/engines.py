@@ -3,11 +3,11 @@ and ZeroRedundancyOptimizer stepping the O2 masters.
 
 - What amp cannot support is refused at `amp.initialize` (low-precision model casts of sharded
   models), and a parameter replaced after `amp.initialize` (a wrapper applied too late) raises at
-  the next step instead of training nothing.
+  the next step instead of training nothing: each optimizer's table (table.py) remembers where
+  its parameters sit, and its step checks that with C-level lookups.
 - ZeroRedundancyOptimizer at O2 steps amp's FP32 masters on each rank's partition.
 """
 
-import operator
 import sys
 
 import torch
@@ -71,56 +71,30 @@ def check_engines(models, optimizers, properties):
 # -- parameters replaced after amp.initialize ----------------------------------------------------
 
 
-class ParameterWatch:
-    """Where each parameter amp set up for stepping sits in its model, checked at each step.
+def anchor(records, models):
+    """Anchor each record's table where its parameters sit in `models` now (initialize,
+    add_param_group): a step checks that they are still there."""
+    places = _places(models)
+    for record in records:
+        record.table.anchor(record.stepped_params(), places)
 
-    A wrapper applied after `amp.initialize` (fully_shard, FullyShardedDataParallel) or an
-    assignment replaces module parameters: the optimizer (or amp's FP32 masters) would then step
-    tensors the model no longer uses, and training would silently do nothing. A parameter that
-    only moved (torch.nn.utils.parametrize keeps it as `parametrizations.<name>.original`) is
-    still trained: the watch follows it, and tells `on_move(param, module, name)` where it went.
-    """
 
-    def __init__(self, models, optimizers, on_move=None):
-        stepped = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
-        stepped.update(amp_state.masters)  # O2: the optimizer steps the masters of these
-        self._models = models
-        self._on_move = on_move
-        places = _places(models)
-        self._params = [place[3] for key, place in places.items() if key in stepped]
-        self._qualified = [place[2] for key, place in places.items() if key in stepped]
-        self._anchor(places)
-
-    def _anchor(self, places):
-        """Remember where each watched parameter is now: (its module's _parameters, its name)."""
-        self._dicts = [
-            places[id(param)][0] if id(param) in places else {} for param in self._params
-        ]
-        self._names = [
-            places[id(param)][1] if id(param) in places else None for param in self._params
-        ]
-
-    def check(self, caller):
-        # The usual case, every parameter in place, costs C-level lookups only.
-        if all(map(operator.is_, map(dict.get, self._dicts, self._names), self._params)):
-            return
-        places = _places(self._models)
-        dtensor = dtensor_class()
-        for param, qualified in zip(self._params, self._qualified):
-            if id(param) in places or (dtensor is not None and isinstance(param, dtensor)):
-                continue  # moved, or FSDP2's sharded parameter while its unsharded view is in
-            raise RuntimeError(
-                f"{caller}: the parameter {clean_name(qualified)!r} that amp set up at "
-                "amp.initialize is no longer in the model: a wrapper such as fully_shard or "
-                "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
-                "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
-            )
-        if self._on_move is not None:
-            for param, parameters, name in zip(self._params, self._dicts, self._names):
-                place = places.get(id(param))
-                if place is not None and parameters.get(name) is not param:
-                    self._on_move(param, place[4], place[1])
-        self._anchor(places)
+def check_places(table, caller):
+    """Raise if a parameter of `table` left the models (a wrapper applied after amp.initialize,
+    or an assignment, replaced it); follow the ones that only moved. Runs when the table's
+    C-level check found a parameter away from its place."""
+    places = _places(amp_state.models)
+    dtensor = dtensor_class()
+    for param, qualified in zip(table.params, table.qualified):
+        if id(param) in places or (dtensor is not None and isinstance(param, dtensor)):
+            continue  # moved, or FSDP2's sharded parameter while its unsharded view is in
+        raise RuntimeError(
+            f"{caller}: the parameter {clean_name(qualified or '?')!r} that amp set up at "
+            "amp.initialize is no longer in the model: a wrapper such as fully_shard or "
+            "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
+            "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
+        )
+    table.anchor(table.params, places)
 
 
 def _places(models):
@@ -134,12 +108,6 @@ def _places(models):
                     qualified = prefix + (f"{module_name}.{name}" if module_name else name)
                     found[id(param)] = (module._parameters, name, qualified, param, module)
     return found
-
-
-def watch_parameters(models, optimizers, on_move=None):
-    if not optimizers:
-        return None
-    return ParameterWatch(models, optimizers, on_move)
 
 
 # -- ZeroRedundancyOptimizer at O2 ---------------------------------------------------------------

@@ -14,14 +14,13 @@ backward to add to (DDP all-reduces `.grad` as it is then), keeping a copy to pu
 raises. A block nested in another on the same optimizer hands its unscaled gradients to the
 enclosing block, which joins them if it exits normally itself.
 
-O2: the master gradients are the unscaled store. New model gradients are unscaled into them and
-dropped from the model, slice by slice (CHUNK_ELEMENTS), so that the low-precision and the FP32
-gradients are never alive in full together; a sparse model gradient gives a sparse master
-gradient.
+O2: the master gradients are the unscaled store. New model gradients are unscaled into them (one
+kernel launch per dtype group) and dropped from the model; a sparse model gradient gives a sparse
+master gradient. With the CuPy kernels and amp's fused step to come, they are only checked and
+kept low precision for the step, which unscales them as it reads them (masters.Deferred): no
+FP32 master gradient is made.
 """
 
-import bisect
-import collections
 import functools
 import itertools
 import operator
@@ -29,17 +28,12 @@ import operator
 import torch
 
 from .. import distributed, kernels
+from .table import set_each
 
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")
-_numel = torch.Tensor.numel
 _not_none = functools.partial(operator.is_not, None)  # with filter: no Python call per item
 _NONES = itertools.repeat(None)  # with map(operator.is_, ...): a C-level "is None" per item
-
-
-def set_each(objects, name, values):
-    """setattr(object, name, value) pairwise at C level: no Python frame per parameter."""
-    collections.deque(map(setattr, objects, itertools.repeat(name), values), maxlen=0)
 
 
 def _take(params):
@@ -83,12 +77,13 @@ def _join(pairs):
 
 
 class _Frame:
-    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv", "identity")
+    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv", "identity", "frozen")
 
     def __init__(self, scaler, delay, inv, identity, taken, copies=()):
         self.scaler = scaler  # the loss scaler, compared by identity only
         self.delay = delay
-        self.inv = inv  # 1/scale the block's loss was scaled with (the scaler never changes it)
+        self.inv = inv  # 1/scale the block's loss was scaled with: the scaler's, until it changes
+        self.frozen = False  # `inv` is this block's own copy
         self.identity = identity  # a static scale of 1.0: nothing to unscale or check
         self.taken = taken  # the gradients present when the block opened, taken out of `.grad`
         self.copies = copies  # or, continuing an accumulation, copies of those left in `.grad`
@@ -115,8 +110,11 @@ class GradientStash:
 
     def enter(self, scaler, delay_unscale, inv_scale, identity):
         """A block opens: its loss is scaled by `scaler`, whose 1/scale is `inv_scale` (a tensor
-        on the loss's device that no later update changes)."""
+        on the loss's device, which freeze_scale copies before an update changes it)."""
         record = self.record
+        masters = record.masters
+        if masters is not None and masters.deferred is not None:
+            masters.materialize()  # gradients kept for the step join the accumulation
         if not self.frames and self.scaled_by is scaler:
             # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
             # as autograd does and as DDP's reducer needs (after no_sync() micro-batches it
@@ -128,6 +126,13 @@ class GradientStash:
         taken = _take(record.grad_holders())
         self.frames.append(_Frame(scaler, delay_unscale, inv_scale, identity, taken))
 
+    def freeze_scale(self, scaler):
+        """`scaler` is about to change its inverse scale in place: open blocks scaled by it keep
+        a copy of the one they used."""
+        for frame in self.frames:
+            if frame.scaler is scaler and not frame.frozen:
+                frame.inv, frame.frozen = frame.inv.clone(), True
+
     def discard(self):
         """The block raised: the gradients are put back as they were when it opened."""
         frame = self.frames.pop()
@@ -136,9 +141,10 @@ class GradientStash:
         for param, grad in frame.taken or frame.copies:
             param.grad = grad
 
-    def commit(self, flag):
+    def commit(self, found_inf, inv_used=None):
         """The block exited normally: join its gradients with the ones taken (see module doc).
-        Gradients unscaled here are checked for inf/NaN into `flag`."""
+        Gradients unscaled here are checked for inf/NaN into `found_inf` (a float32 flag);
+        `inv_used` keeps the inverse scale for gradients kept low precision until the step."""
         frame = self.frames.pop()
         nested = bool(self.frames)
         taken_scaled = nested or self.scaled_by is not None
@@ -151,7 +157,7 @@ class GradientStash:
             return
         if nested:
             self.frames[-1].done.extend(frame.done)
-            self.frames[-1].done.extend(self._unscale(frame, flag, False))
+            self.frames[-1].done.extend(self._unscale(frame, found_inf, False))
             _join(frame.taken)  # the enclosing block's own (still scaled) gradients
             return
         if taken_scaled:
@@ -161,14 +167,15 @@ class GradientStash:
         else:
             extras = frame.taken + frame.done
         if not extras:
-            self._unscale(frame, flag, True)
+            self._unscale(frame, found_inf, True, inv_used)
             return
-        master_of = dict(zip(map(id, self.record.models), self.record.masters))
+        table = self.record.table
+        master_of = dict(zip(map(id, table.models), table.masters))
         for param, grad in extras:  # already unscaled: into the masters first (as apex's order)
             master = master_of.get(id(param))
             if master is not None:
                 add_to_master_grad(master, grad.float())
-        self._unscale(frame, flag, True)
+        self._unscale(frame, found_inf, True, inv_used)
         _join([(param, grad) for param, grad in extras if id(param) not in master_of])
 
     def reset(self):
@@ -183,7 +190,7 @@ class GradientStash:
         accumulation of delay_unscale blocks)."""
         return self.scaled_by is scaler or any(frame.scaler is scaler for frame in self.frames)
 
-    def _unscale(self, frame, flag, into_masters):
+    def _unscale(self, frame, found_inf, into_masters, inv_used=None):
         """Unscale and check the gradients in `.grad` by `frame`'s scale. into_masters: O2 model
         gradients go into the master gradients, plain ones stay in `.grad`; else every unscaled
         gradient is taken out of `.grad` and returned as (param, grad), for the enclosing
@@ -199,52 +206,28 @@ class GradientStash:
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
             if record.sharded:
                 views = distributed.local_tensors(views)
-            kernels.unscale_(views, inv_scale, flag.tensor)
+            kernels.unscale_(views, inv_scale, found_inf)
         handed = [] if into_masters or not params else _take(params)
-        if record.master_pairs:
-            _unscale_model_grads(record, inv_scale, flag.tensor, into_masters, handed)
+        if record.masters is not None:
+            _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, handed)
         return handed
 
 
-# Model gradients are unscaled into new FP32 gradients this many elements at a time, and each
-# slice's low-precision gradients freed before the next: both sets are never alive in full
-# together (O2's peak memory at scale_loss's exit). One slice for a small model.
-CHUNK_ELEMENTS = 1 << 22
-
-
-def _chunks(tensors):
-    """[(start, stop)] of consecutive runs of `tensors` holding about CHUNK_ELEMENTS elements."""
-    ends = list(itertools.accumulate(map(_numel, tensors)))
-    count = len(ends)
-    if ends[-1] <= CHUNK_ELEMENTS:
-        return ((0, count),)
-    chunks, start = [], 0
-    while start < count:
-        base = ends[start - 1] if start else 0
-        stop = max(bisect.bisect_right(ends, base + CHUNK_ELEMENTS), start + 1)
-        chunks.append((start, stop))
-        start = stop
-    return chunks
-
-
-def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
+def _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, handed):
     """O2: the model gradients, unscaled and checked, into FP32 gradients: the master gradients
     (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. The
-    model's gradients are dropped."""
-    models, masters = record.models, record.masters
+    model's gradients are dropped. With the CuPy kernels and a fused step to come they are only
+    checked and kept low precision for it (masters.Deferred)."""
+    models, masters = record.table.models, record.table.masters
     grads = list(map(_grad, models))
     # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
     present = list(map(operator.is_not, grads, _NONES))
-    plan = record.chunk_plan
     if not all(present):
         if not any(present):
             return
         models = list(itertools.compress(models, present))  # parameters that had no gradient
         masters = list(itertools.compress(masters, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
-        plan = _chunks(grads)
-    elif plan is None:  # every master gets a gradient (the usual case): sliced once
-        plan = record.chunk_plan = _chunks(grads)
     set_each(models, "grad", _NONES)
     if any(map(_is_sparse, grads)):
         _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
@@ -257,20 +240,19 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed):
         return
     else:
         adding = True
-    for start, stop in plan:
-        sources = grads[start:stop]
-        grads[start:stop] = itertools.repeat(None, stop - start)  # `sources` holds them now
-        if adding:
-            added_to = master_grads[start:stop]
-            kernels.unscale_add_(sources, added_to, inv_scale, found_inf, check=False)
-        else:
-            fresh = list(map(torch.empty_like, masters[start:stop]))
-            kernels.unscale_to_(sources, fresh, inv_scale, found_inf, check=False)
-            if into_masters:
-                set_each(masters[start:stop], "grad", fresh)
-            else:
-                handed.extend(zip(models[start:stop], fresh))
-        sources = None  # the last reference: this slice's low-precision gradients are freed
+    if into_masters and not adding and record.defers(grads[0].device):
+        record.masters.defer(models, masters, grads, inv_scale, found_inf, inv_used)
+        return
+    # One launch per dtype group (per launch-sized run of tensors with the CuPy kernels).
+    if adding:
+        kernels.unscale_add_(grads, master_grads, inv_scale, found_inf, check=False)
+        return
+    fresh = list(map(torch.empty_like, masters))
+    kernels.unscale_to_(grads, fresh, inv_scale, found_inf, check=False)
+    if into_masters:
+        set_each(masters, "grad", fresh)
+    else:
+        handed.extend(zip(models, fresh))
 
 
 def _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed):

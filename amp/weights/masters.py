@@ -1,18 +1,18 @@
 """O2 master weights: the FP32 copies an optimizer steps in place of the model's low-precision
-parameters, kept in step with the model both ways."""
+parameters, made, stepped around and given back through the optimizer's table (table.py)."""
 
 import itertools
 import operator
 
 import torch
 
-from .. import distributed, kernels
+from .. import kernels
 from .._state import amp_state
-from .grad_stash import add_to_master_grad, set_each
-from .shadows import ParamMarks, sync_params
+from .fused_step import FusedStep
+from .grad_stash import add_to_master_grad
+from .table import ParamTable, set_each
 
 _grad = operator.attrgetter("grad")
-_PARAMS = operator.itemgetter("params")
 _NONES = itertools.repeat(None)
 
 
@@ -37,144 +37,163 @@ def match_state_to_params(optimizer):
                 state[key] = value.to(param.dtype)
 
 
-class MasterWeights:
-    """The master-weight half of an OptimizerRecord: which optimizer parameters are FP32 masters
-    of which model parameters."""
+def frozen_table():
+    """The table of this initialize's cast parameters that no optimizer steps (made once)."""
+    tables = amp_state.tables
+    if not tables or not tables[-1].frozen:
+        tables.append(ParamTable(frozen=True))
+    return tables[-1]
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-        self.master_pairs = []  # (model parameter, FP32 master) for O2
-        self.models, self.masters = [], []  # the same pairs as two parallel lists
-        self._shadows = None  # the model parameters' shadows, once all are known
-        self._marks = ParamMarks()  # their marks since amp last wrote the model (shadows.py)
-        self.chunk_plan = None  # how scale_loss slices all master gradients (grad_stash.py)
-        self._plain_cache = (None, [])
-        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
 
-    def add_master(self, param, master):
-        self.master_pairs.append((param, master))
-        self.models.append(param)
-        self.masters.append(master)
-        self._shadows = None
-        self.chunk_plan = None
-        amp_state.masters[id(param)] = master
+def master_row(param):
+    """(table, row) of `param`'s FP32 copy in this initialize's tables, or (None, None)."""
+    for table in amp_state.tables:
+        row = table.index.get(id(param))
+        if row is not None:
+            return table, row
+    return None, None
 
-    def shadows(self):
-        """The shadows of the model parameters (shadows.py), in pair order.
 
-        Looked up once: amp.initialize registers them after the masters are made.
-        """
-        shadows = self._shadows
-        if shadows is None:
-            shadows = [amp_state.shadows.get(id(param)) for param in self.models]
-            if None in shadows:  # not all registered yet (or a model not cast): look up again
-                return [shadow for shadow in shadows if shadow is not None]
-            self._shadows = shadows
-        return shadows
+def master_for(param):
+    """The master a cast parameter gets when it joins an optimizer: its FP32 copy as a frozen
+    parameter (its exact FP32 value, any write not yet taken over included), else a new one;
+    None when an optimizer steps it already. Changes nothing."""
+    table, row = master_row(param)
+    if table is None:
+        return new_master(param)
+    if not table.frozen:
+        return None
+    table.sync_row(row)
+    return table.masters[row]
 
-    def remember_versions(self):
-        """amp (or a state-dict load) just wrote the model parameters from their masters."""
-        if self.models:
-            shadows = self._shadows or self.shadows()
-            if shadows is self._shadows:  # every parameter has its shadow: one batch
-                self._marks.mark(shadows, self.models)
-            else:  # some have none (a model not passed to initialize)
-                for shadow in shadows:
-                    shadow.mark()
 
-    def follow_external_writes(self):
-        """Bring masters and model parameters in step after writes from outside amp.
+class Deferred:
+    """The masters' gradients kept in low precision until the step (with the CuPy kernels): the
+    fused step unscales them as it reads them; the FP32 master gradients are made only where
+    something else needs them (materialize)."""
 
-        DataParallel's broadcast or a `param.copy_(...)` change the model after the masters were
-        made; a write through `model.state_dict()` changes the master. See shadows.Shadow.sync.
-        The usual answer, nothing written since amp's own write at the last step, comes from the
-        batched marks.
-        """
-        if self.models:
-            shadows = self._shadows or self.shadows()
-            if not self._marks.unchanged(shadows):
-                self._marks.write()
-                sync_params(shadows)
+    __slots__ = ("models", "masters", "grads", "inv_scale", "flags", "by_master")
+
+    def __init__(self, models, masters, grads, inv_scale, flags):
+        self.models, self.masters, self.grads = models, masters, grads
+        self.inv_scale = inv_scale  # 1/scale the gradients were scaled with (not the live one)
+        self.flags = flags  # kernels.check_'s: which of them held inf/NaN, asked on a skip
+        self.by_master = dict(zip(map(id, masters), grads))
+
+    def grads_of(self, masters):
+        return list(map(self.by_master.get, map(id, masters)))
+
+
+class Masters:
+    """The O2 half of an optimizer's record (none at O1 and O3): its master rows, stepped around."""
+
+    def __init__(self, record):
+        self.record = record
+        self.table = record.table
+        self.deferred = None  # a Deferred between scale_loss's exit and the step
+        self.fused = FusedStep(record)
+
+    def defer(self, models, masters, grads, inv_scale, found_inf, inv_used):
+        """scale_loss's exit with the CuPy kernels: check the gradients (found_inf), keep them
+        for the fused step; `inv_used` (if given) takes the inverse scale in the same pass."""
+        flags = kernels.check_(grads, found_inf, inv_scale=inv_scale, inv_used=inv_used)
+        used = inv_used if inv_used is not None else inv_scale
+        self.deferred = Deferred(models, masters, grads, used, flags)
+
+    def materialize(self):
+        """The deferred gradients as FP32 master gradients (the general path, amp.master_params,
+        a next scale_loss block): unscaled as scale_loss's exit would have made them."""
+        deferred, self.deferred = self.deferred, None
+        fresh = list(map(torch.empty_like, deferred.masters))
+        scratch = torch.zeros((), dtype=torch.float32, device=deferred.inv_scale.device)
+        kernels.unscale_to_(deferred.grads, fresh, deferred.inv_scale, scratch, check=False)
+        set_each(deferred.masters, "grad", fresh)
+
+    def nonfinite_models(self):
+        """The model parameters whose deferred gradients held inf/NaN (reads the device)."""
+        deferred = self.deferred
+        return [deferred.models[i] for i in deferred.flags.tensors()]
+
+    def take_outside_writes(self):
+        """One outside-write check (at step(), state_dict() and amp.master_params())."""
+        self.table.take_outside_writes()
 
     def before_step(self):
-        """O2, before the optimizer steps the masters: a write to the model since the last step
-        (a pruning mask applied after backward) is kept, and gradients of model parameters made
+        """Before the optimizer steps the masters: a write to the model since the last step (a
+        pruning mask applied after backward) is kept, and gradients of model parameters made
         by a backward outside scale_loss join the master gradients unscaled (apex dropped them;
         without this O2 would not step)."""
-        shadows = self._shadows or self.shadows()  # follow_external_writes, inlined: every step
-        if not self._marks.unchanged(shadows):
-            self._marks.write()
-            sync_params(shadows)
-        if all(map(operator.is_, map(_grad, self.models), _NONES)):
+        table = self.table
+        table.take_outside_writes()
+        if all(map(operator.is_, map(_grad, table.models), _NONES)):
             return  # the usual case: scale_loss took them
-        for model_param, master in zip(self.models, self.masters):
+        if self.deferred is not None:
+            self.materialize()
+        for model_param, master in zip(table.models, table.masters):
             grad = model_param.grad
             if grad is not None:
                 add_to_master_grad(master, grad.float())
                 model_param.grad = None
 
+    def after_fused_step(self):
+        """The fused step wrote the masters into the model: amp marks that write as its own, and
+        the gradients go (as after_step)."""
+        self.table.mark()
+        self.deferred = None
+        set_each(self.table.masters, "grad", _NONES)
+
     def after_step(self):
-        """O2, after the optimizer stepped the masters: the model takes their values (rounded to
+        """After the optimizer stepped the masters: the model takes their values (rounded to
         nearest even), amp marks that write as its own, and the master gradients go (no
         model.zero_grad() reaches them; apex did the same)."""
+        table = self.table
         # torch.no_grad(), without its eight Python calls per step.
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            kernels.copy_(self.masters, self.models, check=False)
+            kernels.copy_(table.masters, table.models, check=False)
         finally:
             torch._C._set_grad_enabled(grad_enabled)
-        shadows = self._shadows
-        if shadows is not None:  # every parameter has its shadow: one batch (remember_versions)
-            self._marks.mark(shadows, self.models)
-        else:
-            self.remember_versions()
-        set_each(self.masters, "grad", _NONES)
+        table.mark()
+        set_each(table.masters, "grad", _NONES)
 
-    def grad_holders(self):
-        """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
-        if not self.master_pairs:
-            return self.plain_params()
-        return self.plain_params() + self.models
-
-    def plain_params(self):
-        """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
-        groups = self.optimizer.param_groups
-        signature = tuple(map(len, map(_PARAMS, groups)))
-        cached_signature, params = self._plain_cache
-        if signature != cached_signature:
-            masters = {id(master) for _, master in self.master_pairs}
-            params = [p for group in groups for p in group["params"] if id(p) not in masters]
-            self._plain_cache = (signature, params)
-            self.sharded = distributed.has_dtensors(params)  # FSDP2: unscale the local shards
-        return params  # shared: callers do not modify it
-
-    def forget_param_groups(self):
-        self._plain_cache = (None, [])
+    def drop_grads(self):
+        self.deferred = None
+        set_each(self.table.masters, "grad", _NONES)
 
     def master_indices(self):
         """{index in the optimizer's state dict: (model param, master)} for every master."""
-        pairs = {id(master): (model_param, master) for model_param, master in self.master_pairs}
+        table = self.table
+        of_master = {id(master): row for row, master in enumerate(table.masters)}
         found = {}
-        params = (p for group in self.optimizer.param_groups for p in group["params"])
-        for index, param in enumerate(params):
-            if id(param) in pairs:
-                found[index] = pairs[id(param)]
+        groups = self.record.optimizer.param_groups
+        for index, param in enumerate(p for group in groups for p in group["params"]):
+            row = of_master.get(id(param))
+            if row is not None:
+                found[index] = (table.models[row], param)
         return found
 
-    def give_back_model_params(self):
+    def add(self, param, master):
+        """A cast parameter joins this optimizer (add_param_group) with `master`
+        (master_for's)."""
+        table, row = master_row(param)
+        if table is not None:  # its frozen FP32 copy becomes its master
+            table.pop_master(param)
+        self.table.add_master(param, master)
+        self.table.mark_row(len(self.table.models) - 1)
+
+    def give_back(self):
         """Undo of master creation: the optimizer steps the model's own parameters again."""
-        model_param_of = {id(master): model_param for model_param, master in self.master_pairs}
-        for group in self.optimizer.param_groups:
-            group["params"] = [model_param_of.get(id(p), p) for p in group["params"]]
-        state = self.optimizer.state
-        for model_param, master in self.master_pairs:
+        table = self.table
+        model_of = dict(zip(map(id, table.masters), table.models))
+        optimizer = self.record.optimizer
+        for group in optimizer.param_groups:
+            group["params"] = [model_of.get(id(p), p) for p in group["params"]]
+        state = optimizer.state
+        for model_param, master in zip(table.models, table.masters):
             if master in state:
                 state[model_param] = state.pop(master)
             if model_param.dtype is torch.float32:
                 model_param.grad = master.grad
-            amp_state.masters.pop(id(model_param), None)
-        self.master_pairs, self.models, self.masters = [], [], []
-        self._shadows = None
-        self.chunk_plan = None
-        self.forget_param_groups()
+        table.clear_masters()
+        self.record.forget_param_groups()

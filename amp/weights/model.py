@@ -12,7 +12,7 @@ import torch
 from .._state import amp_state
 from ..casting import fp32_modules
 from ..casting.casts import LOW_PRECISION, cast_tree
-from .masters import new_master
+from .masters import frozen_table, master_row, new_master
 from .shadows import (
     FP32StateDict,
     LoadIntoShadows,
@@ -97,52 +97,38 @@ def _modules_to_cast(model, keep_batchnorm_fp32):
 def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     """Cast the FP32 parameters and buffers of `model` to `dtype` (batch norm kept FP32 if asked).
 
-    Parameters keep their identity (their `.data` is swapped). Each cast buffer, and each cast
-    parameter when `keep_fp32_params` (O2), gets an FP32 shadow (shadows.py): the parameter's
-    master weight if an optimizer steps it, else an FP32 copy, so that frozen parameters keep
-    their FP32 values too. Undo puts the FP32 values back from the shadows (O3 parameters, which
-    have none, come back upcast).
+    Parameters keep their identity (their `.data` is swapped). Each cast parameter keeps its FP32
+    value when `keep_fp32_params` (O2): its master if an optimizer steps it, else an FP32 copy in
+    the table of frozen parameters (masters.frozen_table), so that frozen parameters keep their
+    FP32 values too. Each cast buffer keeps its FP32 original as its shadow (shadows.py). Undo
+    puts the FP32 values back (O3 parameters, which have none, come back upcast).
     """
     params = parameters_to_cast(model, keep_batchnorm_fp32)
-    model_shadows = ModelShadows()
-    by_module = {module: {} for module in model.modules()}
-    fp32_of = dict(amp_state.masters)  # id(parameter) -> its FP32 copy
-    # One Shadow per parameter: a weight tied within the model, or shared with a model cast
-    # before this one (already low precision then), is served by the same shadow everywhere.
-    shadow_of = dict(amp_state.shadows) if keep_fp32_params else {}
+    model_shadows = ModelShadows(amp_state.tables)
+    if keep_fp32_params:
+        frozen = None
+        for param in params:
+            if master_row(param)[0] is None:
+                frozen = frozen or frozen_table()
+                frozen.add_master(param, new_master(param))
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
-        for name, param in module._parameters.items():
-            if param is None or not keep_fp32_params:
-                continue
-            shadow = shadow_of.get(id(param))
-            if shadow is None and param.dtype is torch.float32:
-                fp32 = fp32_of.get(id(param))
-                if fp32 is None:
-                    fp32 = new_master(param)
-                shadow = shadow_of[id(param)] = Shadow(module, name, True, fp32)
-            if shadow is not None:
-                by_module[module][name] = shadow
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
-                by_module[module][name] = Shadow(module, name, False, buffer)
-    unique = {id(shadow): shadow for by_name in by_module.values() for shadow in by_name.values()}
-    model_shadows.shadows.extend(unique.values())
-    follow = FollowMoves(model, model_shadows, by_module)
+                model_shadows.buffers.setdefault(module, {})[name] = Shadow(
+                    module, name, False, buffer
+                )
 
     def undo():
-        follow.everywhere()  # a parameter moved since (parametrize) gets its FP32 value too
         model_shadows.sync()
-        fp32_of = {id(s.current()): s.fp32 for s in model_shadows.shadows if s.is_param}
         with torch.no_grad():
             for param in params:
-                amp_state.shadows.pop(id(param), None)
                 if param.dtype is not torch.float32:
-                    fp32 = fp32_of.get(id(param))
-                    param.data = fp32.data if fp32 is not None else param.data.float()
+                    table, row = model_shadows.row(param)
+                    param.data = table.masters[row].data if table else param.data.float()
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
-            for shadow in model_shadows.shadows:
-                if not shadow.is_param:
+            for by_name in model_shadows.buffers.values():
+                for shadow in by_name.values():
                     current = shadow.current()
                     if current is not None and current.dtype in LOW_PRECISION:
                         shadow.module._buffers[shadow.name] = shadow.fp32
@@ -154,16 +140,18 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             param.data = param.data.to(dtype)
             if param.grad is not None:
                 param.grad = param.grad.to(dtype)
-        for module, by_name in by_module.items():
+        for module, by_name in model_shadows.buffers.items():
             for name, shadow in by_name.items():
-                if not shadow.is_param:
-                    module._buffers[name] = shadow.fp32.to(dtype)
-    for shadow in model_shadows.shadows:
-        shadow.mark()
-        if shadow.is_param:
-            amp_state.shadows[id(shadow.current())] = shadow
+                module._buffers[name] = shadow.fp32.to(dtype)
+    for param in params:
+        table, row = model_shadows.row(param)
+        if table is not None:
+            table.mark_row(row)
+    for by_name in model_shadows.buffers.values():
+        for shadow in by_name.values():
+            shadow.mark()
     _flatten_rnns(model)
-    _register_state_dict_hooks(model, follow, ledger)
+    _register_state_dict_hooks(model, model_shadows, ledger)
 
 
 def _flatten_rnns(model):
@@ -204,106 +192,26 @@ def cast_forward(model, input_dtype, output_dtype, ledger):
     ledger.add_hook(handle, "output cast hook")
 
 
-def _register_state_dict_hooks(model, follow, ledger):
-    """Make `state_dict()` FP32 (and live) at every level and `load_state_dict` fill the shadows."""
-    hook = SyncBeforeForward(follow.model_shadows, follow.by_module)
+def _register_state_dict_hooks(model, model_shadows, ledger):
+    """Make `state_dict()` FP32 (and live) at every level and `load_state_dict` fill the FP32
+    values: hooks on every module, each also serving the submodules made later (shadows.py)."""
+    hook = SyncBeforeForward(model_shadows)
     ledger.add_hook(model.register_forward_pre_hook(hook, prepend=True), "shadow sync hook")
     for module in model.modules():
-        for handle in _hook_module(module, follow):
+        model_shadows.hooked.add(module)
+        if hasattr(module, "register_load_state_dict_pre_hook"):
+            load_pre_hook = module.register_load_state_dict_pre_hook
+        else:  # torch < 2.5
+            load_pre_hook = functools.partial(
+                module._register_load_state_dict_pre_hook, with_module=True
+            )
+        if hasattr(module, "register_state_dict_post_hook"):
+            post_hook = module.register_state_dict_post_hook
+        else:  # torch < 2.5
+            post_hook = module._register_state_dict_hook
+        for handle in (
+            post_hook(FP32StateDict(model_shadows)),
+            load_pre_hook(LoadIntoShadows(model_shadows)),
+            module.register_load_state_dict_post_hook(MarkLoaded(model_shadows)),
+        ):
             ledger.add_hook(handle, "FP32 state dict hook")
-
-
-def _hook_module(module, follow):
-    """Register the state-dict hooks of one module; return their handles."""
-    by_name = follow.by_module[module]
-    if hasattr(module, "register_load_state_dict_pre_hook"):
-        load_pre_hook = module.register_load_state_dict_pre_hook
-    else:  # torch < 2.5
-        load_pre_hook = functools.partial(
-            module._register_load_state_dict_pre_hook, with_module=True
-        )
-    if hasattr(module, "register_state_dict_post_hook"):
-        post_hook = module.register_state_dict_post_hook
-    else:  # torch < 2.5
-        post_hook = module._register_state_dict_hook
-    return [
-        module.register_state_dict_pre_hook(follow),  # first: moves are followed
-        post_hook(FP32StateDict(follow.model_shadows, by_name)),
-        load_pre_hook(follow),
-        load_pre_hook(LoadIntoShadows(by_name)),
-        module.register_load_state_dict_post_hook(MarkLoaded(by_name)),
-    ]
-
-
-class FollowMoves:
-    """State-dict and load pre-hook: shadows follow parameters that moved after initialize.
-
-    `torch.nn.utils.parametrize` moves a parameter to `<module>.parametrizations.<name>.original`
-    (and `remove_parametrizations` back), `torch.nn.utils.prune` to `<module>.<name>_orig`; the
-    parameter object stays the same. Before a module's state dict is saved or loaded, a shadowed
-    parameter that left one of its names is looked up in the model, and one that arrived under a
-    name is recognised, and its shadow re-anchored there (a module made after initialize gets
-    amp's state-dict hooks): the state dict holds the FP32 master under the new key and a load
-    writes the master. A parameter found nowhere (deleted, or replaced by an assignment) keeps
-    its shadow where it was. A module whose parameters sit where they were costs a few lookups.
-    """
-
-    def __init__(self, model, model_shadows, by_module):
-        self.model = model
-        self.model_shadows = model_shadows
-        self.by_module = by_module  # module -> {name: Shadow}, shared with the other hooks
-        # id(parameter) -> its shadow (O2; O3 keeps none, and has nothing to follow)
-        self.shadow_of = {id(s.current()): s for s in model_shadows.shadows if s.is_param}
-
-    def __call__(self, module, *args):
-        by_name = self.by_module.get(module)
-        if not self.shadow_of or by_name is None:
-            return
-        parameters = module._parameters
-        for name, shadow in list(by_name.items()):
-            if shadow.is_param and parameters.get(name) is None:
-                self._moved_away(by_name, name, shadow)
-        for name, param in parameters.items():
-            if param is not None and name not in by_name:
-                shadow = self.shadow_of.get(id(param))
-                if shadow is not None and shadow.low is param:
-                    by_name[name] = shadow  # arrived here (moved back, or from elsewhere)
-                    self._relocate(shadow, module, name)
-
-    def _moved_away(self, by_name, name, shadow):
-        for new_module in self.model.modules():
-            for new_name, param in new_module._parameters.items():
-                served = self.by_module.get(new_module, {}).get(new_name) is shadow
-                if param is shadow.low and not served:
-                    del by_name[name]
-                    if new_module not in self.by_module:
-                        self.by_module[new_module] = {}
-                        handles = _hook_module(new_module, self)
-                        if any(model is self.model for model in amp_state.models):
-                            for handle in handles:
-                                amp_state.ledger.add_hook(handle, "FP32 state dict hook")
-                    self.by_module[new_module][new_name] = shadow
-                    self._relocate(shadow, new_module, new_name)
-                    return
-
-    @staticmethod
-    def _relocate(shadow, module, name):
-        """Make the shadow read its parameter at `module.name` if its own place lost it."""
-        if shadow.module._parameters.get(shadow.name) is not shadow.low:
-            shadow.module, shadow.name = module, name
-
-    def everywhere(self):
-        """Every shadow reads its parameter where it is now (at undo: no hooks are added)."""
-        for module in self.model.modules():
-            for name, param in module._parameters.items():
-                shadow = self.shadow_of.get(id(param))
-                if shadow is not None and shadow.low is param:
-                    self._relocate(shadow, module, name)
-
-
-def follow_parameter(param, module, name):
-    """The parameter watch found `param` at `module.name` (a move, checked at each step): its
-    shadow reads it there, so that outside writes to it reach its master."""
-    shadow = amp_state.shadows.get(id(param))
-    if shadow is not None and shadow.module._parameters.get(shadow.name) is not param:
-        shadow.module, shadow.name = module, name

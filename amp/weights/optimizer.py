@@ -1,27 +1,33 @@
 """Optimizer instrumentation: the record amp keeps per optimizer and the methods it patches.
 
-The concerns live in their own modules: master weights (masters.py), the gradient stash of
-scale_loss (grad_stash.py), skipped steps (skip.py) and state dicts with masters
-(optimizer_state.py). This module ties them to the optimizer's step, zero_grad and
+The record is composed of the optimizer's table (table.py: the parameters it steps, where they
+sit, and at O2 their masters), the O2 master handling (masters.py; none at O1 and O3), the
+gradient stash of scale_loss (grad_stash.py), the skip decision (skip.py) and state dicts with
+masters (optimizer_state.py). This module ties them to the optimizer's step, zero_grad and
 add_param_group.
 """
 
 import functools
+import inspect
 import itertools
+import operator
 import types
 
 import torch
 
+from .. import distributed, kernels
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import require_optimizer_like
-from .grad_stash import GradientStash, set_each
-from .skip import SkipDecision
 from . import engines, optimizer_state
-from .masters import MasterWeights, match_state_to_params, new_master
+from .grad_stash import GradientStash
+from .masters import Masters, master_for, match_state_to_params, new_master
+from .skip import SkipDecision
+from .table import ParamTable, set_each
 
 MASTER_PARAMS_KEY = optimizer_state.MASTER_PARAMS_KEY
 
 _PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+_PARAMS = operator.itemgetter("params")
 
 
 def check_optimizer(optimizer, index):
@@ -30,28 +36,60 @@ def check_optimizer(optimizer, index):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
 
 
-class OptimizerRecord(MasterWeights):
+class OptimizerRecord:
     """amp's bookkeeping for one optimizer."""
 
     def __init__(self, optimizer, names):
-        super().__init__(optimizer)
+        self.optimizer = optimizer
         self.names = names  # id(model parameter) -> qualified name, for overflow reports
         self.originals = {}  # the optimizer's own methods, called by the patched ones
+        self.table = ParamTable()
+        self.masters = None  # Masters at O2
         self.stash = GradientStash(self)
         self.skips = SkipDecision(self)
+        self.found_inf_on_device = False  # its step takes the overflow flag (set by instrument)
+        self._plain_cache = (None, [])
+        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
 
     def param_name(self, param):
-        for model_param, master in self.master_pairs:
-            if master is param:
-                param = model_param
-                break
+        table = self.table
+        of_master = dict(zip(map(id, table.masters), table.models))
+        param = of_master.get(id(param), param)
         name = self.names.get(id(param))
         if name is None:
             for group_index, group in enumerate(self.optimizer.param_groups):
                 for param_index, candidate in enumerate(group["params"]):
-                    if candidate is param:
+                    if candidate is param or of_master.get(id(candidate)) is param:
                         return f"param_groups[{group_index}]['params'][{param_index}]"
         return name
+
+    def stepped_params(self):
+        """The parameters this optimizer steps, as the model holds them (O2: the cast ones, not
+        their masters)."""
+        of_master = dict(zip(map(id, self.table.masters), self.table.models))
+        groups = self.optimizer.param_groups
+        return [of_master.get(id(p), p) for group in groups for p in group["params"]]
+
+    def grad_holders(self):
+        """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
+        if self.masters is None:
+            return self.plain_params()
+        return self.plain_params() + self.table.models
+
+    def plain_params(self):
+        """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
+        groups = self.optimizer.param_groups
+        signature = tuple(map(len, map(_PARAMS, groups)))
+        cached_signature, params = self._plain_cache
+        if signature != cached_signature:
+            masters = set(map(id, self.table.masters))
+            params = [p for group in groups for p in group["params"] if id(p) not in masters]
+            self._plain_cache = (signature, params)
+            self.sharded = distributed.has_dtensors(params)  # FSDP2: unscale the local shards
+        return params  # shared: callers do not modify it
+
+    def forget_param_groups(self):
+        self._plain_cache = (None, [])
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -62,9 +100,8 @@ class OptimizerRecord(MasterWeights):
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
                 "closure."
             )
-        watch = amp_state.parameter_watch  # a parameter replaced since initialize is refused
-        if watch is not None:
-            watch.check("optimizer.step()")
+        if not self.table.in_place():  # a parameter replaced since initialize is refused
+            engines.check_places(self.table, "optimizer.step()")
         if self.stash.frames:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`; the gradients "
@@ -77,26 +114,74 @@ class OptimizerRecord(MasterWeights):
                 "accumulation delay_unscale=False (it unscales them all), or call "
                 "optimizer.zero_grad() to drop them."
             )
-        overflowed = self.skips.take()
-        if overflowed:
-            self.skips.skip(overflowed)
-            return None
-        if self.models:  # O2 (no call at all at O1 or O3)
-            self.before_step()
+        skips = self.skips
+        if skips.waiting:  # earlier skips the device decided on, whose results may have arrived
+            skips.poll(wait=distributed.is_distributed())
+        masters = self.masters
+        plan = masters.fused.plan() if masters is not None else None  # amp's fused step applies
+        checks = skips.take() if skips.pending else ()
+        found, known = None, True
+        if checks:
+            on_device = plan is not None or self.found_inf_on_device
+            overflowed, found, known = skips.decide(checks, on_device)
+            if overflowed:
+                skips.skip(overflowed, checks)
+                return None
+        if masters is not None:  # O2 (no call at all at O1 or O3)
+            masters.before_step()
+            if plan is not None and masters.fused.run(plan, found, masters.deferred):
+                masters.after_fused_step()
+                skips.note_stepped()
+                self._stepped(checks, known)
+                return None
+            if found is not None and not self.found_inf_on_device:
+                # No state yet (the first step is the optimizer's own): the host decides.
+                overflowed = [check for check in checks if check.is_set()]
+                if overflowed:
+                    skips.skip(overflowed, checks)
+                    return None
+                found = None
+            if masters.deferred is not None:
+                masters.materialize()
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
         # runs every step, and a generator context manager costs six Python calls).
         thread = amp_state.thread
         saved = thread.policy
         thread.policy = None
+        optimizer = self.optimizer
+        if found is not None:
+            optimizer.found_inf = found  # torch's fused optimizers read it (grads are unscaled)
         try:
             result = self.originals["step"]()
         finally:
             thread.policy = saved
-        if self.models:
-            self.after_step()
+            if found is not None:
+                del optimizer.found_inf
+        if masters is not None:
+            masters.after_step()
+        self._stepped(checks, known)
+        return result
+
+    def _stepped(self, checks, known):
         if amp_state.cast_cache.filled:
             amp_state.cast_cache.clear()  # the weights changed
-        return result
+        if checks and not (known and amp_state.nonfinite_loss_run is None):
+            self.skips.stepped(checks, known)
+
+    def defers(self, device):
+        """Whether scale_loss's exit keeps this optimizer's master gradients low precision for
+        the fused step (the CuPy kernels and a fused step that applies)."""
+        masters = self.masters
+        return kernels.fuses(device) and masters.fused.plan() is not None
+
+    def expose_masters(self):
+        """amp.master_params(): the masters as the user sees them, outside writes taken in and
+        deferred gradients made FP32 (a step after that takes the general path)."""
+        masters = self.masters
+        if masters is not None:
+            masters.take_outside_writes()
+            if masters.deferred is not None:
+                masters.materialize()
 
     # -- the rest of the optimizer API --------------------------------------------------------
 
@@ -107,17 +192,22 @@ class OptimizerRecord(MasterWeights):
         optimizer_state.load_state_dict(self, state_dict)
 
     def zero_grad(self, *args, **kwargs):
+        if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
+            self.skips.poll()
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
+        if self.masters is not None and self.masters.deferred is not None:
+            self.masters.deferred = None
         if not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True):
-            set_each(self.models, "grad", itertools.repeat(None))
+            set_each(self.table.models, "grad", itertools.repeat(None))
         else:
-            for model_param in self.models:
+            for model_param in self.table.models:
                 if model_param.grad is not None:
                     model_param.grad.detach_()
                     model_param.grad.zero_()
         self.stash.reset()
-        self.skips.pending = []  # the gradients an overflow was found in are gone
+        if self.skips.pending:
+            self.skips.drop()
 
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict):
@@ -135,18 +225,29 @@ class OptimizerRecord(MasterWeights):
         new_pairs = []
         if amp_state.properties.master_weights:
             for i, param in enumerate(params or ()):
-                if id(param) in amp_state.cast_params and id(param) not in amp_state.masters:
-                    shadow = amp_state.shadows.get(id(param))
-                    # A frozen parameter's FP32 copy becomes its master: its exact FP32 value.
-                    master = shadow.fp32 if shadow is not None else new_master(param)
-                    new_pairs.append((param, master))
-                    params[i] = master
+                if id(param) in amp_state.cast_params:
+                    master = master_for(param)  # None: an optimizer steps it already
+                    if master is not None:
+                        new_pairs.append((param, master))
+                        params[i] = master
         group = dict(param_group, params=params)
         self.originals["add_param_group"](group)
+        if new_pairs and self.masters is None:
+            self.masters = Masters(self)
         for param, master in new_pairs:
             master.requires_grad_(param.requires_grad)
-            self.add_master(param, master)
+            self.masters.add(param, master)
         self.forget_param_groups()
+        engines.anchor([self], amp_state.models)
+
+
+def takes_found_inf(optimizer):
+    """Whether `optimizer.step` takes the overflow flag on the device: torch's fused optimizers
+    (`_step_supports_amp_scaling`), whose step reads `found_inf` (not the older form that takes
+    the scaler as `grad_scaler=`)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return "grad_scaler" not in inspect.signature(optimizer.step).parameters
 
 
 def _delegate(name):
@@ -193,22 +294,26 @@ def instrument(optimizer, params_with_masters, names, ledger):
     Must run before the model is cast, so the masters are the exact FP32 weights.
     """
     record = OptimizerRecord(optimizer, names)
+    record.found_inf_on_device = takes_found_inf(optimizer)
     # Runs last on undo, after the model has its FP32 weights back.
     ledger.add_undo(
         "optimizer state in the parameters' dtype", lambda: match_state_to_params(optimizer)
     )
-    if params_with_masters:
-        ledger.add_undo("optimizer steps its model parameters again", record.give_back_model_params)
-        for group in optimizer.param_groups:
-            for index, param in enumerate(group["params"]):
-                if id(param) in params_with_masters:
-                    master = new_master(param)
-                    param.grad = None
-                    group["params"][index] = master
-                    if param in optimizer.state:
-                        optimizer.state[master] = optimizer.state.pop(param)
-                    record.add_master(param, master)
-        engines.follow_masters(optimizer, record.master_pairs, ledger)
+    table = record.table
+    for group in optimizer.param_groups:
+        for index, param in enumerate(group["params"]):
+            if id(param) in params_with_masters:
+                master = new_master(param)
+                param.grad = None
+                group["params"][index] = master
+                if param in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(param)
+                table.add_master(param, master)
+    if table.models:
+        record.masters = Masters(record)
+        ledger.add_undo("optimizer steps its model parameters again", record.masters.give_back)
+        engines.follow_masters(optimizer, list(zip(table.models, table.masters)), ledger)
+    amp_state.tables.append(table)
     for name in _PATCHED_METHODS:
         if name == "add_param_group" and not hasattr(optimizer, name):
             continue  # an optimizer wrapper without it (optional, see apex_interop/optimizer_wrappers.py)

@@ -11,12 +11,13 @@ MASTER_PARAMS_KEY = "amp_master_params"
 
 def state_dict(record):
     state = record.originals["state_dict"]()
-    if record.master_pairs:
+    masters = record.masters
+    if masters is not None:
         # A write into the model since the last step (a mask, a broadcast) is the masters' value
         # from then on; a checkpoint serialized before anything else looked must hold it.
-        record.follow_external_writes()
+        masters.take_outside_writes()
         state[MASTER_PARAMS_KEY] = {
-            index: master.detach() for index, (_, master) in record.master_indices().items()
+            index: master.detach() for index, (_, master) in masters.master_indices().items()
         }
     return state
 
@@ -45,14 +46,14 @@ def load_state_dict(record, state_dict):
             raise
         with torch.no_grad():
             kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
-        record.remember_versions()
+        record.table.mark()
     record.forget_param_groups()
     amp_state.cast_cache.clear()
 
 
 def check_masters(record, masters):
     """[(value, model param, master)] to copy, or a clear error; changes nothing."""
-    here = record.master_indices()
+    here = record.masters.master_indices() if record.masters is not None else {}
     if not isinstance(masters, dict):
         raise TypeError(
             f"optimizer.load_state_dict: {MASTER_PARAMS_KEY!r} must map parameter indices "

@@ -238,5 +238,6 @@ def test_step_costs_report_the_calls_loss_scaling_adds_at_every_level():
     assert [row["opt level"] for row in table] == ["O0", "O1", "O2", "O3"]
     reference = {row["torch.amp.GradScaler calls"] for row in table}
     assert len(reference) == 1 and reference.pop() > 20
-    # O2's unscale into the masters and copy back cost calls O0 and O3 do not make
-    assert table[2]["amp calls"] > table[0]["amp calls"] == table[3]["amp calls"] > 0
+    # O0 and O3 scale statically; O2's fused step stands in for the optimizer's own step
+    assert table[0]["amp calls"] == table[3]["amp calls"] > 0 and table[2]["amp calls"] > 0
+    assert all(row["amp calls"] <= row["torch.amp.GradScaler calls"] for row in table)

@@ -7,7 +7,6 @@ import torch
 import amp
 from helpers.state import scaled_step
 from amp.scaling.scaler import LossScaler, check_state
-from amp.weights.skip import OverflowFlag
 from helpers.models import loss_of
 from helpers.o2 import static_o2
 from helpers.state import assert_same, everything, step_cleanly
@@ -32,12 +31,20 @@ def apex_trajectory(overflows, init=2.0**16, window=2000, min_scale=None, max_sc
     return trajectory
 
 
+def update(scaler, overflow=False, bad_loss=False):
+    """One update as a block's exit makes it: its flags set, then the update on the device."""
+    check = scaler.open_check(0, torch.device("cpu"))
+    check.found.fill_(float(overflow))
+    check.bad.fill_(int(bad_loss))
+    scaler.update(check)
+    return check
+
+
 def run(scaler, overflows):
     trajectory = []
     for overflow in overflows:
-        flag = OverflowFlag("cpu")
-        flag.tensor.fill_(float(overflow))
-        scaler.update(flag)
+        if scaler.dynamic:  # a static scaler is never updated
+            update(scaler, overflow)
         trajectory.append((scaler.loss_scale(), scaler.unskipped()))
     return trajectory
 
@@ -126,11 +133,15 @@ def test_state_round_trip_and_validation():
             check_state("loss_scaler0", bad)
 
 
-def test_flag_is_read_once():
-    flag = OverflowFlag("cpu")
-    assert flag.is_set() is False
-    flag.tensor.fill_(1.0)
-    assert flag.is_set() is False  # the decision was taken; the flag is not read again
+def test_the_host_learns_a_block_from_its_copy_without_reading_the_device(monkeypatch):
+    scaler = LossScaler("dynamic", growth_interval=2)
+    check = update(scaler, overflow=True)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a device read"))
+    assert check.is_set() is True
+    check.found.fill_(0.0)  # the device state is reused by the next block
+    assert check.is_set() is True  # the host keeps what arrived
+    assert scaler.loss_scale() == 32768.0 and scaler.unskipped() == 0
+    assert check.scale_after == 32768.0  # the mirror replayed it
 
 
 def test_inverse_scale_follows_updates_and_loads():

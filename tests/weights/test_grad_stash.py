@@ -1,8 +1,7 @@
 """The gradient stash (amp/weights/grad_stash.py): gradients from before a scale_loss block are
 kept apart and added back exactly, also when the block raises, nests or accumulates with
-delay_unscale; O2's master gradients are made slice by slice at the block's exit, each slice's
-low-precision gradients freed before the next is made, bit for bit what unscaling them all at once
-gives."""
+delay_unscale; O2's master gradients are made at the block's exit in one kernel call, the
+low-precision gradients freed from the model, bit for bit what torch's unscale gives."""
 
 import contextlib
 import weakref
@@ -11,7 +10,6 @@ import pytest
 import torch
 
 import amp
-from amp.weights import grad_stash
 from helpers import DTYPES
 from helpers.models import loss_of, make_model, make_stack
 from helpers.state import assert_grads_equal, assert_same, everything, grads
@@ -26,12 +24,6 @@ def square_loss(model, seed):
     return loss_of(model, seed, seed=0, inputs=8, outputs=None)
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Slices of at most 100 elements: a Linear(8, 8)'s weight and bias (72) fill one."""
-    monkeypatch.setattr(grad_stash, "CHUNK_ELEMENTS", 100, raising=False)
-
-
 def initialized(dtype):
     model = deep_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -44,7 +36,7 @@ def unscaled(grads, inv_scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_master_grads_are_the_model_grads_unscaled_bit_for_bit(dtype, small_chunks):
+def test_master_grads_are_the_model_grads_unscaled_bit_for_bit(dtype):
     model, optimizer = initialized(dtype)
     params = list(model.parameters())
     try:
@@ -63,7 +55,7 @@ def test_master_grads_are_the_model_grads_unscaled_bit_for_bit(dtype, small_chun
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_accumulated_master_grads_add_bit_for_bit(dtype, small_chunks):
+def test_accumulated_master_grads_add_bit_for_bit(dtype):
     """A second block adds its unscaled gradients to the master gradients of the first."""
     model, optimizer = initialized(dtype)
     params = list(model.parameters())
@@ -81,16 +73,15 @@ def test_accumulated_master_grads_add_bit_for_bit(dtype, small_chunks):
         amp.deinitialize()
 
 
-def test_low_precision_grads_are_freed_slice_by_slice(monkeypatch, small_chunks):
-    """When each slice is unscaled, the gradients of the slices before it are gone: the FP16
-    gradients and the FP32 master gradients are never alive in full together."""
+def test_the_model_gradients_become_the_masters_in_one_kernel_call(monkeypatch):
+    """One call for all of them (one launch per dtype group), the model's gradients dropped."""
     model, optimizer = initialized(torch.float16)
     params = list(model.parameters())
-    alive_at_each_slice = []
+    calls = []
     original = amp.kernels.unscale_to_
 
     def watching(sources, destinations, *args, **kwargs):
-        alive_at_each_slice.append((len(sources), sum(ref() is not None for ref in refs)))
+        calls.append(len(sources))
         return original(sources, destinations, *args, **kwargs)
 
     try:
@@ -99,21 +90,16 @@ def test_low_precision_grads_are_freed_slice_by_slice(monkeypatch, small_chunks)
             refs = [weakref.ref(param.grad) for param in params]
             monkeypatch.setattr(amp.kernels, "unscale_to_", watching)
         monkeypatch.setattr(amp.kernels, "unscale_to_", original)
-        assert len(alive_at_each_slice) == 6  # six Linear layers, one slice each
-        remaining = len(params)
-        for size, alive in alive_at_each_slice:
-            assert alive == remaining  # this slice and those after it; none before
-            remaining -= size
-        assert remaining == 0
+        assert calls == [len(params)]
         assert all(ref() is None for ref in refs)
         optimizer.step()
     finally:
         amp.deinitialize()
 
 
-def test_parameters_without_gradient_leave_the_others_sliced(monkeypatch, small_chunks):
-    """Parameters this backward did not reach keep no master gradient; the others are still
-    unscaled slice by slice, bit for bit."""
+def test_parameters_without_gradient_keep_no_master_gradient(monkeypatch):
+    """Parameters this backward did not reach keep no master gradient; the others are unscaled
+    in one call, bit for bit."""
     model, optimizer = initialized(torch.bfloat16)
     reached = set(model[:4].parameters())  # two of the six Linear layers
     calls = []
@@ -131,7 +117,7 @@ def test_parameters_without_gradient_leave_the_others_sliced(monkeypatch, small_
             monkeypatch.setattr(amp.kernels, "unscale_to_", watching)
         monkeypatch.setattr(amp.kernels, "unscale_to_", original)
         inv_scale = torch.tensor(amp.state_dict()["loss_scaler0"]["loss_scale"] ** -1)
-        assert calls == [2, 2]  # a Linear's weight and bias (72 elements) in each slice
+        assert calls == [4]  # two Linear layers' weights and biases
         for param, master in zip(model.parameters(), amp.master_params(optimizer)):
             if param in reached:
                 assert torch.equal(master.grad, grads[param].float() * inv_scale)
@@ -141,7 +127,7 @@ def test_parameters_without_gradient_leave_the_others_sliced(monkeypatch, small_
         amp.deinitialize()
 
 
-def test_skipped_step_with_slices_changes_nothing(small_chunks):
+def test_a_skipped_step_changes_nothing():
     model, optimizer = initialized(torch.float16)
     try:
         before = [param.detach().clone() for param in model.parameters()]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp
-from amp.weights import shadows
+from amp.weights import table
 from helpers.models import make_stack
 from helpers.o2 import optimizer_params, saved, train_step, trained_o2, two_trained_optimizers
 from helpers.profiling import AMP_DIR
@@ -166,27 +166,34 @@ def test_writes_into_two_optimizers_models_survive_one_flush_of_both_batches():
     assert torch.equal(optimizer_params(opt_second)[3], written[1])
 
 
+def optimizer_params_live(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def test_two_optimizers_keep_their_batches_step_after_step(monkeypatch):
-    """Each optimizer's step checks its own batch; one finding nothing must not write out the
-    other's (they took turns writing each other's out, and every step of both did the full
-    per-parameter check)."""
+    """Each optimizer's step checks its own table; one finding nothing must not look at the
+    other's row by row (they took turns writing each other's out, and every step of both did the
+    full per-parameter check)."""
     first, second, opt_first, opt_second = two_trained_optimizers()
-    full_checks = []
-    original = shadows.sync_params
+    rows_checked = []
+    original = table.ParamTable.sync_row
     monkeypatch.setattr(
-        "amp.weights.masters.sync_params", lambda s: full_checks.append(s) or original(s)
+        table.ParamTable,
+        "sync_row",
+        lambda self, row: rows_checked.append((self, row)) or original(self, row),
     )
     for seed in range(2, 5):
         train_step(first, opt_first, seed=seed)
         train_step(second, opt_second, seed=seed + 10)
-    assert full_checks == []
+    assert rows_checked == []
     with torch.no_grad():
         second[0].weight.mul_(2)  # an outside write: that optimizer's step checks in full
     written = second[0].weight.detach().float()
     train_step(first, opt_first, seed=5)
     opt_second.zero_grad()
     assert torch.equal(list(amp.master_params(opt_second))[0], written)
-    assert len(full_checks) == 1
+    checked = [checked_table.masters[row] for checked_table, row in rows_checked]
+    assert list(map(id, checked)) == list(map(id, optimizer_params_live(opt_second)))
 
 
 def test_deinitialize_with_batched_marks_keeps_a_pending_write_and_initializes_again():

@@ -1,0 +1,203 @@
+"""amp's fused master step at O2, for torch.optim's AdamW, Adam and SGD.
+
+In place of the optimizer's own step (and the copy of the masters into the model after it), one
+pass per chunk over each parameter group (amp.kernels.adam_step_ / sgd_step_): the gradient
+unscaled, the FP32 master and the optimizer's own state tensors (`exp_avg`, `exp_avg_sq`,
+`step`, `momentum_buffer`) updated in place, the low-precision weight written. The state keeps
+torch's format, so `optimizer.state_dict()` loads into a plain torch optimizer. The step is
+skipped on the device where the overflow flag is set: the host reads nothing.
+
+With the CuPy kernels the gradients stay low precision until the step: scale_loss's exit only
+checks them (the deferred gradients, masters.Deferred); on the torch backend the exit makes the
+FP32 master gradients as the general path does and the step runs torch's fused op on them.
+
+It applies where it computes what the optimizer's own step would (kernels.adam_step_ says to
+which precision): the exact classes, no amsgrad, maximize, capturable or differentiable, float
+hyperparameters, no step hooks, state made by an earlier step (the first step is the
+optimizer's own, which makes it), dense gradients on one device. Anything else takes the
+general path. The hyperparameters are read from `param_groups` at every step (schedulers,
+`add_param_group`); the user's `foreach` / `fused` flags choose an implementation of the same
+update, so they take the fused step too.
+"""
+
+import itertools
+import operator
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from .. import kernels
+
+_EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
+_BUFFER = operator.itemgetter("momentum_buffer")
+_grad = operator.attrgetter("grad")
+_is_sparse = operator.attrgetter("is_sparse")
+_NONES = itertools.repeat(None)
+
+
+def _kind(optimizer, step):
+    """ "adam" or "sgd" for an optimizer whose step is torch's own AdamW/Adam/SGD step, else
+    None."""
+    cls = type(optimizer)
+    if cls is torch.optim.AdamW or cls is torch.optim.Adam:
+        kind = "adam"
+    elif cls is torch.optim.SGD:
+        kind = "sgd"
+    else:
+        return None
+    function = getattr(step, "__func__", None) or getattr(step, "__wrapped__", None)
+    return kind if function is cls.step else None  # an LR scheduler's wrapper keeps it
+
+
+def _adam_options(group):
+    beta1, beta2 = group["betas"]
+    floats = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+    if not all(type(value) is float or type(value) is int for value in floats):
+        return None  # tensors: the general path
+    if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
+        return None
+    return dict(
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled=bool(group.get("decoupled_weight_decay", False)),
+    )
+
+
+def _sgd_options(group):
+    floats = (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+    if not all(type(value) is float or type(value) is int for value in floats):
+        return None
+    if group["maximize"] or group["differentiable"]:
+        return None
+    return dict(
+        lr=group["lr"],
+        momentum=group["momentum"],
+        dampening=group["dampening"],
+        weight_decay=group["weight_decay"],
+        nesterov=group["nesterov"],
+    )
+
+
+_OPTIONS = {"adam": _adam_options, "sgd": _sgd_options}
+
+
+class FusedStep:
+    """The fused master step of one optimizer's record (O2)."""
+
+    def __init__(self, record):
+        self.record = record
+        self.kind = False  # "adam", "sgd" or None once known (the record's methods come later)
+
+    def plan(self):
+        """[(options, params, lows or None)] per parameter group and kind of row (masters with
+        their model parameters; the group's plain parameters), or None where the fused step does
+        not apply now. Constant Python calls per group."""
+        if self.kind is False:
+            self.kind = _kind(self.record.optimizer, self.record.originals["step"])
+        if self.kind is None:
+            return None
+        optimizer = self.record.optimizer
+        if (
+            optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks
+            or torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks
+        ):
+            return None
+        table = self.record.table
+        model_of = dict(zip(map(id, table.masters), table.models))
+        options_of = _OPTIONS[self.kind]
+        plan = []
+        for group in optimizer.param_groups:
+            options = options_of(group)
+            if options is None:
+                return None
+            params = group["params"]
+            models = list(map(model_of.get, map(id, params)))
+            if all(map(operator.is_not, models, _NONES)):
+                plan.append((options, params, models))
+            elif not any(map(operator.is_not, models, _NONES)):
+                plan.append((options, params, None))
+            else:  # masters and plain parameters in one group: one call each
+                present = list(map(operator.is_not, models, _NONES))
+                plan.append(
+                    (
+                        options,
+                        list(itertools.compress(params, present)),
+                        list(itertools.compress(models, present)),
+                    )
+                )
+                plain = [p for p, model in zip(params, models) if model is None]
+                plan.append((options, plain, None))
+        return plan
+
+    def run(self, plan, found_inf, deferred=None):
+        """One fused step by `plan` (with `deferred` gradients of the masters, if any), skipped on
+        the device where `found_inf` is set. False, changing nothing, if some state is not
+        there yet (the first step is the optimizer's own)."""
+        calls = []
+        for options, params, models in plan:
+            if deferred is not None and models is not None:
+                grads, inv_scale = deferred.grads_of(params), deferred.inv_scale
+            else:
+                grads, inv_scale = list(map(_grad, params)), None
+            if not all(map(operator.is_not, grads, _NONES)):  # parameters without a gradient
+                present = list(map(operator.is_not, grads, _NONES))
+                if not any(present):
+                    continue
+                grads = list(itertools.compress(grads, present))
+                params = list(itertools.compress(params, present))
+                models = None if models is None else list(itertools.compress(models, present))
+            if any(map(_is_sparse, grads)):
+                return False
+            state = self._state(params, options)
+            if state is None:
+                return False
+            calls.append((options, grads, params, models, state, inv_scale))
+        step = kernels.adam_step_ if self.kind == "adam" else kernels.sgd_step_
+        # torch.no_grad(), without its eight Python calls per step.
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for options, grads, params, models, state, inv_scale in calls:
+                step(
+                    grads,
+                    params,
+                    *state,
+                    models,
+                    inv_scale=inv_scale,
+                    found_inf=found_inf,
+                    **options,
+                )
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        return True
+
+    def _state(self, params, options):
+        """The state lists of `params` for the kernel, or None if a step has not made them yet."""
+        if self.kind == "sgd" and options["momentum"] == 0:
+            return ([],)  # no state to keep
+        states = list(map(self.record.optimizer.state.get, params))
+        try:
+            if self.kind == "adam":
+                steps = list(map(_STEP, states))
+                if steps and steps[0].device != params[0].device:  # torch's CPU step counts
+                    steps = self._steps_on(params, states)
+                return list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states)), steps
+            buffers = list(map(_BUFFER, states))
+        except (KeyError, TypeError):  # no state yet (None), or one without the key
+            return None
+        if not all(map(operator.is_not, buffers, _NONES)):
+            return None
+        return (buffers,)
+
+    @staticmethod
+    def _steps_on(params, states):
+        """Move step counts kept on the host (torch's non-capturable foreach and for-loop paths
+        keep them there) to the parameters' device, once: the kernel counts them there."""
+        for param, state in zip(params, states):
+            state["step"] = state["step"].to(param.device)
+        return list(map(_STEP, states))

@@ -1,0 +1,199 @@
+"""The table of one optimizer: the parameters it steps, where each sits in its model, and at O2
+their FP32 masters with the marks amp took after its own last write into them.
+
+Parallel lists keyed by parameter identity, read over whole lists at C level (`map`), so that a
+step costs a constant number of Python calls however many parameters the model has:
+
+- every row: a parameter it steps as the model holds it (`params`), the module `_parameters` dict
+  and the name it sits under (`dicts`, `names`), its qualified name for messages;
+- the master rows (O2, the parameters amp cast): the low-precision parameter (`models`), its FP32
+  master (`masters`, what the optimizer steps) and the marks: both sides' version counters, the
+  parameter's data pointer and shape (`param.data = t` keeps the version counter: the storage
+  tells) as they were after amp's last write.
+
+A write from outside amp (DataParallel's broadcast, a `param.copy_`, a pruning mask, new data by
+`param.data = ...`) changes a mark: it is taken into the master where it changed the
+low-precision value, so a write that changes nothing leaves the FP32 value alone. A write into the
+master (through `model.state_dict()`, which returns it) reaches the parameter; the FP32 side wins
+a conflict. Writes through `param.data` in place bump no version counter: they are not seen.
+
+amp keeps one more table per `amp.initialize` for the cast parameters no optimizer steps (frozen):
+master rows whose FP32 copy nothing steps, so that their exact FP32 values come back too.
+"""
+
+import collections
+import itertools
+import operator
+
+import torch
+
+from ..casting.casts import LOW_PRECISION
+
+_VERSION = operator.attrgetter("_version")
+_SHAPE = operator.attrgetter("shape")
+_DATA = torch.Tensor.data_ptr
+
+
+def set_each(objects, name, values):
+    """setattr(object, name, value) pairwise at C level: no Python frame per parameter."""
+    collections.deque(map(setattr, objects, itertools.repeat(name), values), maxlen=0)
+
+
+class ParamTable:
+    """The rows of one optimizer (or of the frozen parameters of one initialize)."""
+
+    def __init__(self, frozen=False):
+        self.frozen = frozen  # the cast parameters no optimizer steps
+        self.params, self.dicts, self.names, self.qualified = [], [], [], []
+        self.models, self.masters = [], []
+        self.index = {}  # id(model parameter) -> its master row
+        self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
+
+    # -- where the parameters sit --------------------------------------------------------------
+
+    def anchor(self, params, places):
+        """Remember where each of `params` sits: `places` maps id(param) to (module._parameters,
+        name, qualified name, ...). Parameters in no model are not watched."""
+        found = [(param, places[id(param)]) for param in params if id(param) in places]
+        self.params = [param for param, _ in found]
+        self.dicts = [place[0] for _, place in found]
+        self.names = [place[1] for _, place in found]
+        self.qualified = [place[2] for _, place in found]
+
+    def in_place(self):
+        """True when every parameter still sits where it was anchored (C-level lookups)."""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.params))
+
+    # -- master rows -------------------------------------------------------------------------
+
+    def add_master(self, model_param, master):
+        """A master row: amp has just made `master` from `model_param` (they agree)."""
+        self.index[id(model_param)] = len(self.models)
+        self.models.append(model_param)
+        self.masters.append(master)
+        self.low_versions.append(None)
+        self.low_datas.append(None)
+        self.master_versions.append(None)
+        self.shapes.append(None)
+
+    def pop_master(self, model_param):
+        """Remove the master row of `model_param`; returns its master."""
+        row = self.index.pop(id(model_param))
+        master = self.masters[row]
+        for column in (
+            self.models,
+            self.masters,
+            self.low_versions,
+            self.low_datas,
+            self.master_versions,
+            self.shapes,
+        ):
+            del column[row]
+        self.index = {id(param): i for i, param in enumerate(self.models)}
+        return master
+
+    def clear_masters(self):
+        self.models, self.masters, self.index = [], [], {}
+        self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
+
+    def master_of(self, model_param):
+        row = self.index.get(id(model_param))
+        return None if row is None else self.masters[row]
+
+    def mark(self):
+        """amp (or a load) has just made every master row's two sides agree."""
+        models = self.models
+        self.low_versions = list(map(_VERSION, models))
+        self.low_datas = list(map(_DATA, models))
+        self.master_versions = list(map(_VERSION, self.masters))
+        self.shapes = list(map(_SHAPE, models))
+
+    def mark_row(self, row):
+        model, master = self.models[row], self.masters[row]
+        self.low_versions[row] = model._version
+        self.low_datas[row] = _DATA(model)
+        self.master_versions[row] = master._version
+        self.shapes[row] = model.shape
+
+    def unchanged(self):
+        """True when no side of any master row was written since its mark (C-level compares)."""
+        models = self.models
+        return (
+            list(map(_VERSION, models)) == self.low_versions
+            and list(map(_DATA, models)) == self.low_datas
+            and list(map(_VERSION, self.masters)) == self.master_versions
+            and list(map(_SHAPE, models)) == self.shapes
+        )
+
+    def take_outside_writes(self):
+        """Bring every master row in step after writes from outside amp (see the module doc).
+        The usual answer, nothing written, costs the list compares of `unchanged`."""
+        if self.models and not self.unchanged():
+            for row in range(len(self.models)):
+                self.sync_row(row)
+
+    def written(self, row):
+        model = self.models[row]
+        return (
+            model._version != self.low_versions[row]
+            or _DATA(model) != self.low_datas[row]
+            or model.shape != self.shapes[row]
+            or self.masters[row]._version != self.master_versions[row]
+        )
+
+    def sync_row(self, row):
+        """Copy a write made since the row's mark across; the FP32 side wins a conflict."""
+        if not self.written(row):
+            return
+        model, master = self.models[row], self.masters[row]
+        if model.dtype in LOW_PRECISION:  # else replaced by FP32 data: nothing to shadow
+            with torch.no_grad():
+                if model.shape != master.shape:
+                    master.data = model.detach().float()  # new data of another shape: the value
+                elif master._version != self.master_versions[row]:
+                    model.copy_(master)
+                else:
+                    changed = model != master.to(model.dtype)
+                    master.copy_(torch.where(changed, model.float(), master))
+        self.mark_row(row)
+
+    def push_written_masters(self):
+        """Copy every master written since its mark into its parameter (a state dict handed it
+        out and the model is about to compute)."""
+        if self.models and list(map(_VERSION, self.masters)) != self.master_versions:
+            for row in range(len(self.models)):
+                if self.masters[row]._version != self.master_versions[row]:
+                    self.sync_row(row)
+
+    # -- copies of the model (deepcopy, pickle) ------------------------------------------------
+
+    def __getstate__(self):
+        # A copy's tensors count versions anew: it keeps, for each row, whether each side was
+        # written since its mark, so that a write not yet taken over is taken over in the copy
+        # as in the original.
+        state = self.__dict__.copy()
+        models = self.models
+        state["low_versions"] = [
+            version == model._version and data == _DATA(model)
+            for model, version, data in zip(models, self.low_versions, self.low_datas)
+        ]
+        state["master_versions"] = [
+            version == master._version
+            for master, version in zip(self.masters, self.master_versions)
+        ]
+        del state["low_datas"], state["index"]
+        return state
+
+    def __setstate__(self, state):
+        clean_low, clean_master = state.pop("low_versions"), state.pop("master_versions")
+        self.__dict__.update(state)
+        self.index = {id(param): i for i, param in enumerate(self.models)}
+        self.low_versions = [
+            model._version if clean else None for model, clean in zip(self.models, clean_low)
+        ]
+        self.low_datas = [
+            _DATA(model) if clean else None for model, clean in zip(self.models, clean_low)
+        ]
+        self.master_versions = [
+            master._version if clean else None for master, clean in zip(self.masters, clean_master)
+        ]

@@ -1,0 +1,313 @@
+"""amp's fused master step at O2 (amp/weights/fused_step.py): torch.optim's AdamW, Adam and SGD
+stepped in one pass that leaves masters, optimizer state and the model's weights as the
+optimizer's own step would; the general path for everything else; no host read where the
+device decides (the skip is learned later); the CuPy path keeps gradients low precision until
+the step."""
+
+import pytest
+import torch
+
+import amp
+from helpers.models import inject, loss_of, make_model
+
+ADAMS = [
+    (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    (torch.optim.Adam, dict(lr=0.01, weight_decay=0.1)),
+    (torch.optim.Adam, dict(lr=0.01)),
+]
+SGDS = [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.8, dampening=0.25)),
+    (torch.optim.SGD, dict(lr=0.1)),
+]
+IDS = ["adamw", "adam-l2", "adam", "sgd-momentum", "sgd-nesterov", "sgd-dampening", "sgd"]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The number of fused steps amp ran (amp.kernels.adam_step_ / sgd_step_ calls)."""
+    calls = []
+    for name in ("adam_step_", "sgd_step_"):
+        original = getattr(amp.kernels, name)
+
+        def counting(*args, _original=original, **kwargs):
+            calls.append(1)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(amp.kernels, name, counting)
+    return calls
+
+
+def train(
+    cls,
+    options,
+    steps=4,
+    dtype=torch.bfloat16,
+    general=False,
+    batch_norm=True,
+    hook=None,
+    inside=None,
+    width=None,
+):
+    """An O2 model trained `steps` steps; `general` forces the general path (a step hook). The
+    optimizer is torch's fused implementation, the one amp's torch backend runs, so that its own
+    steps (the first, and the general path's) compute what the fused step does."""
+    sizes = dict(inputs=width, hidden=2 * width, outputs=width) if width else {}
+    model = make_model(batch_norm=batch_norm, **sizes)
+    loss_sizes = dict(inputs=width, outputs=width) if width else {}
+    fused = {"fused": True} if cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD) else {}
+    optimizer = cls(model.parameters(), **options, **fused)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", dtype=dtype, verbosity=0)
+    if general:
+        optimizer.register_step_pre_hook(lambda *args: None)
+    for step in range(steps):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step, **loss_sizes), optimizer) as scaled:
+            scaled.backward()
+            if inside is not None:  # the model's gradients, still scaled
+                inside(step, model, optimizer)
+        if hook is not None:
+            hook(step, model, optimizer)
+        optimizer.step()
+    return model, optimizer
+
+
+def state_of(model, optimizer):
+    weights = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in amp.master_params(optimizer)]
+    return weights, masters, optimizer.state_dict()
+
+
+def assert_bitwise_states(a, b):
+    (weights_a, masters_a, opt_a), (weights_b, masters_b, opt_b) = a, b
+    for x, y in zip(weights_a + masters_a, weights_b + masters_b, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    for index, state in opt_a["state"].items():
+        for key, value in state.items():
+            other = opt_b["state"][index][key]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (index, key)
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("cls, options", ADAMS + SGDS, ids=IDS)
+def test_the_fused_step_is_the_optimizers_own_step_bit_for_bit(cls, options, fused_calls):
+    try:
+        fused = state_of(*train(cls, options))
+    finally:
+        amp.deinitialize()
+    # The first step is the optimizer's own (it makes the state); the other three are fused.
+    # Two calls a step: the masters, and the batch norm's plain FP32 parameters. The first step
+    # is the optimizer's own where it makes the state (all but SGD without momentum).
+    stateless = cls is torch.optim.SGD and not options.get("momentum")
+    assert len(fused_calls) == (4 if stateless else 3) * 2
+    fused_calls.clear()
+    general = state_of(*train(cls, options, general=True))
+    assert fused_calls == []
+    assert_bitwise_states(fused, general)
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize(
+    "cls, options",
+    [
+        (torch.optim.AdamW, dict(lr=0.01, amsgrad=True)),
+        (torch.optim.AdamW, dict(lr=0.01, maximize=True)),
+        (torch.optim.AdamW, dict(lr=torch.tensor(0.01))),
+        (torch.optim.SGD, dict(lr=0.1, maximize=True)),
+        (torch.optim.RMSprop, dict(lr=0.01)),
+    ],
+    ids=["amsgrad", "maximize", "tensor-lr", "sgd-maximize", "another-class"],
+)
+def test_what_the_fused_step_does_not_compute_takes_the_general_path(cls, options, fused_calls):
+    train(cls, options, steps=3)
+    assert fused_calls == []
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_clipping_through_master_params_is_stepped_from(fused_calls):
+    def clip(step, model, optimizer):
+        if step == 2:
+            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1e-3)
+
+    model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), steps=4, hook=clip)
+    assert len(fused_calls) == 3 * 2  # the clipped FP32 master gradients are stepped from
+    clipped = state_of(model, optimizer)
+    amp.deinitialize()
+    reference = state_of(*train(torch.optim.AdamW, dict(lr=0.01), steps=4, hook=clip, general=True))
+    assert_bitwise_states(clipped, reference)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_hyperparameters_are_read_at_every_step_and_groups_added_later_step_too(fused_calls):
+    def schedule(step, model, optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 / (step + 1)
+            group["weight_decay"] = 0.05 * step
+
+    model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), hook=schedule)
+    assert len(fused_calls) == 6
+    scheduled = state_of(model, optimizer)
+    amp.deinitialize()
+    reference = state_of(*train(torch.optim.AdamW, dict(lr=0.01), hook=schedule, general=True))
+    assert_bitwise_states(scheduled, reference)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_the_state_dict_keeps_torchs_format_and_loads_into_a_plain_optimizer():
+    model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), steps=3)
+    saved = optimizer.state_dict()
+    masters = [m.detach().clone() for m in amp.master_params(optimizer)]
+    amp.deinitialize()
+    plain = torch.optim.AdamW([torch.nn.Parameter(m.clone()) for m in masters], lr=0.01)
+    plain.load_state_dict({k: v for k, v in saved.items() if k != "amp_master_params"})
+    for state in plain.state_dict()["state"].values():
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert state["step"].item() == 3.0 and state["exp_avg"].dtype is torch.float32
+
+
+# -- the device decides: no host read, the skip learned later ----------------------------------
+
+
+@pytest.fixture
+def copies_in_flight(monkeypatch):
+    """The host copies of the blocks' flags have not arrived by the step (as on a GPU), so that
+    the step either hands the flag to the device or reads it (counted by Tensor.item)."""
+    from amp.weights.checks import Check
+
+    arrived = Check.arrived
+    monkeypatch.setattr(
+        Check, "arrived", lambda self, wait=False: arrived(self, wait) if wait else False
+    )
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or item(t))
+    return reads
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd"])
+def test_the_fused_step_reads_nothing_and_skips_on_the_device(copies_in_flight, cls, options):
+    reference = state_of(*train(cls, options, steps=2))
+    amp.deinitialize()
+
+    def overflow(step, model, optimizer):
+        if step == 2:
+            inject(model[0].weight)
+
+    def first_step_read(step, model, optimizer):
+        if step >= 1:  # the first step is the optimizer's own: it reads the flag
+            copies_in_flight.clear()
+
+    model, optimizer = train(cls, options, steps=3, inside=overflow, hook=first_step_read)
+    assert copies_in_flight == []  # steps 1 and 2: nothing read from the device
+    assert_bitwise_states(state_of(model, optimizer), reference)  # step 2 changed nothing
+    report = amp.last_overflow()  # asked: learned now
+    # On the torch backend the master gradients are gone by then: no names (the CuPy path
+    # keeps its check's flags, test_the_cupy_path_names_...).
+    assert report is not None and report.loss_id == 0 and report.params == ()
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_o1_with_a_fused_torch_optimizer_reads_nothing(copies_in_flight):
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    for step in range(3):
+        if step == 1:
+            copies_in_flight.clear()  # the first step makes the scaler's state: reads of the host
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
+            scaled.backward()
+            if step == 2:
+                inject(model[0].weight)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.step()
+    assert copies_in_flight == []
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped
+    assert amp.last_overflow().loss_scale == 2.0**15
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_a_skip_learned_later_is_reported_when_it_arrives_or_is_asked_for(copies_in_flight, caplog):
+    model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), steps=2)
+    amp._amp_state.verbosity = 1
+    optimizer.zero_grad()
+    with amp.scale_loss(loss_of(model, 2), optimizer) as scaled:
+        scaled.backward()
+        inject(model[0].weight)
+    copies_in_flight.clear()
+    with caplog.at_level("INFO", logger="amp"):
+        optimizer.step()  # the device skips; the host does not know yet
+        optimizer.zero_grad()  # still on its way
+    assert "Skipping step" not in caplog.text
+    with caplog.at_level("INFO", logger="amp"):
+        assert amp.last_overflow() is not None  # asked: it waits for the copy
+    assert (
+        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+        in caplog.text
+    )
+    assert copies_in_flight == []
+
+
+# -- the CuPy path: gradients low precision until the step ---------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch):
+    """amp.kernels runs CPU tensors through the CuPy backend on multi_tensor.cu compiled for the
+    CPU, as it runs CUDA tensors on a GPU."""
+    from helpers import fake_cupy
+    from helpers.cuda_emulation import build
+
+    if build.compiler() is None:
+        pytest.skip("needs g++ for the emulated grid")
+    backend, launches = fake_cupy.install(monkeypatch, kernels="compiled")
+    monkeypatch.setattr(amp.kernels, "_torch_backend", backend)
+    monkeypatch.setattr(amp.kernels, "fuses", lambda device: True)
+    return launches
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[1]], ids=["adamw", "sgd-nesterov"])
+def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
+    emulated_cupy, one_thread, cls, options
+):
+    """Bit for bit the torch backend's steps where torch's CPU op has no scalar loop (one
+    thread, sizes of whole vectors: tests/kernels/test_fused_step.py)."""
+    seen = []
+
+    def look(step, model, optimizer):
+        masters = [p for g in optimizer.param_groups for p in g["params"]]
+        seen.append([m.grad for m in masters[:2]])  # the first layer's masters
+
+    model, optimizer = train(cls, options, steps=4, batch_norm=False, hook=look, width=16)
+    names = [name for name, _, _ in emulated_cupy.calls]
+    assert seen[3] == [None, None]  # no FP32 master gradient made
+    assert "amp_check<__nv_bfloat16>" in names
+    assert any(
+        name.startswith(("amp_adam<__nv_bfloat16", "amp_sgd<__nv_bfloat16")) for name in names
+    )
+    ours = state_of(model, optimizer)
+    amp.deinitialize()
+    reference = state_of(*train(cls, options, steps=4, batch_norm=False, general=True, width=16))
+    assert_bitwise_states(ours, reference)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_the_cupy_path_names_the_overflowing_parameters_from_its_check(emulated_cupy):
+    def overflow(step, model, optimizer):
+        if step == 3:
+            inject(model[2].weight, "nan")
+
+    train(torch.optim.AdamW, dict(lr=0.01), batch_norm=False, inside=overflow)
+    assert amp.last_overflow().params == ("2.weight",)
