@@ -303,6 +303,8 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
         optimizer_module.instrument(optimizer, with_masters, names, ledger)
         for optimizer in optimizers
     ]
+    if with_masters:
+        engines.follow_ddp_broadcast(ledger)
     for model in models:
         if cast_dtype is not None and cast_dtype is not torch.float32:
             keep_fp32 = bool(properties.master_weights)

@@ -6,8 +6,10 @@ and ZeroRedundancyOptimizer stepping the O2 masters.
   the next step instead of training nothing: each optimizer's table (table.py) remembers where
   its parameters sit, and its step checks that with C-level lookups.
 - ZeroRedundancyOptimizer at O2 steps amp's FP32 masters on each rank's partition.
+- DistributedDataParallel at O2 broadcasts rank 0's FP32 masters with its parameters.
 """
 
+import functools
 import sys
 
 import torch
@@ -144,3 +146,59 @@ def follow_masters(optimizer, pairs, ledger):
     ledger.add_undo(
         "ZeroRedundancyOptimizer steps its model parameters again", lambda: swap(to_model)
     )
+
+
+# -- DistributedDataParallel's initial broadcast at O2 -------------------------------------------
+
+
+def follow_ddp_broadcast(ledger):
+    """Make DistributedDataParallel (torch's, and apex.parallel's subclass) broadcast the FP32
+    masters of the cast parameters with the parameters themselves, at construction.
+
+    Its broadcast writes rank 0's low-precision values into every rank's model; taken in as an
+    outside write, it would leave each rank's master where the rounding hides the difference, and
+    ranks initialised differently would step different masters. apex made every rank's masters
+    from the broadcast weights; amp sends rank 0's exact FP32 masters, over the same group.
+    """
+    if not torch.distributed.is_available():
+        return
+    ledger.patch(torch.nn.parallel.distributed, "_sync_module_states", _with_masters)
+
+
+def _with_masters(original):
+    @functools.wraps(original)
+    def sync_module_states(
+        module,
+        process_group,
+        broadcast_bucket_size,
+        src,
+        params_and_buffers_to_ignore,
+        broadcast_buffers=True,
+    ):
+        tables = amp_state.tables
+        for table in tables:  # each rank's own writes first: its master and model agree
+            table.take_outside_writes()
+        original(
+            module,
+            process_group,
+            broadcast_bucket_size,
+            src,
+            params_and_buffers_to_ignore,
+            broadcast_buffers,
+        )
+        rows = []
+        for name, param in module.named_parameters():
+            if name in params_and_buffers_to_ignore:
+                continue
+            table = next((t for t in tables if id(param) in t.index), None)
+            if table is not None:
+                rows.append((table, table.index[id(param)]))
+        if rows:
+            masters = [table.masters[row].detach() for table, row in rows]
+            torch.distributed._broadcast_coalesced(
+                process_group, masters, broadcast_bucket_size, src
+            )
+            for table, row in rows:  # rank 0's parameter and master: they agree
+                table.mark_row(row)
+
+    return sync_module_states
