@@ -26,6 +26,11 @@ with its tensors, and counts:
                GPU, which runs that far behind the host: where amp would then read the device,
                the read is counted.
 
+amp's CuPy kernels launch outside aten: `kernel_traffic()` counts them analytically from their
+arguments (KERNEL_ACCESS: the bytes per element each pointer list of a kernel reads and writes,
+by the element types in the kernel's name; a list of null pointers is not touched; per-tensor
+counters such as Adam's step count 4 bytes each way per tensor).
+
 Phases: "forward" until the first op of a backward, "backward" while autograd's engine runs,
 "after backward" from then on (unscaling, the skip decision, the optimizer step, copies back).
 Bytes per parameter are the "after backward" bytes over the model's parameter count.
@@ -80,7 +85,9 @@ _FUSED_STEPS = {
     op
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
     if hasattr(_aten, name)
-    for op in (getattr(getattr(_aten, name), overload) for overload in getattr(_aten, name).overloads())
+    for op in (
+        getattr(getattr(_aten, name), overload) for overload in getattr(_aten, name).overloads()
+    )
 }
 
 
@@ -290,3 +297,76 @@ def step_work(workload, variant, dtype, optimizer="foreach", fake=True):
     finally:
         if mode is not None:
             mode.__exit__(None, None, None)
+
+
+# -- amp's CuPy kernels, counted from their arguments ---------------------------------------------
+
+_ELEMENT_BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
+# kernel -> per pointer list: (bytes read, bytes written) per element, "In"/"Out" standing for the
+# size of the first/second type in the kernel's name; ("tensor", read, written) for a per-tensor
+# counter.
+KERNEL_ACCESS = {
+    "amp_unscale": (("In", "In"),),  # in place
+    "amp_scale_copy": (("In", 0), (0, "Out")),
+    "amp_scale_add": (("In", 0), ("Out", "Out")),
+    "amp_sum_squares": (("In", 0),),
+    "amp_check": (("In", 0),),
+    # gradient, master, exp_avg, exp_avg_sq, low-precision weight, step
+    "amp_adam": (("In", 0), (4, 4), (4, 4), (4, 4), (0, "Out"), ("tensor", 4, 0)),
+    "amp_count_steps": ((0, 0),) * 5 + (("tensor", 4, 4),),
+    # gradient, master, momentum buffer, low-precision weight
+    "amp_sgd": (("In", 0), (4, 4), (4, 4), (0, "Out")),
+}
+
+
+@dataclasses.dataclass
+class KernelWork:
+    launches: int = 0
+    read: int = 0
+    written: int = 0
+
+    @property
+    def bytes(self):
+        return self.read + self.written
+
+
+def launch_traffic(name, meta):
+    """(bytes read, bytes written) of one launch of kernel `name` (e.g. "amp_adam<__half,
+    float>") with its Meta record (amp/kernels/_layout.py)."""
+    base, _, types = name.partition("<")
+    sizes = [_ELEMENT_BYTES[t.strip()] for t in types.rstrip(">").split(",") if t.strip()]
+    size_of = {"In": sizes[0] if sizes else 0, "Out": sizes[-1] if sizes else 0}
+    record = meta[0]
+    count = int(record["ntensors"])
+    numels = record["numel"][:count].astype("int64")
+    read = written = 0
+    for row, access in enumerate(KERNEL_ACCESS[base]):
+        touched = record["ptr"][row, :count] != 0
+        if access[0] == "tensor":
+            read += access[1] * int(touched.sum())
+            written += access[2] * int(touched.sum())
+            continue
+        elements = int(numels[touched].sum())
+        read += elements * size_of.get(access[0], access[0])
+        written += elements * size_of.get(access[1], access[1])
+    return read, written
+
+
+@contextlib.contextmanager
+def kernel_traffic():
+    """Count amp's CuPy kernel launches and their bytes (a KernelWork) while inside."""
+    from amp.kernels import _cupy_device
+
+    work = KernelWork()
+    run = _cupy_device.run
+
+    def counting(name, launches, *args, **kwargs):
+        for packed in launches:
+            read, written = launch_traffic(name, packed.meta)
+            work.launches += 1
+            work.read += read
+            work.written += written
+        return run(name, launches, *args, **kwargs)
+
+    with mock.patch.object(_cupy_device, "run", counting):
+        yield work

@@ -105,3 +105,21 @@ def test_fake_tensors_count_what_real_tensors_do(variant):
         assert fake.phases[phase] == real.phases[phase], phase
     assert fake.saved == real.saved and fake.parameters == real.parameters
     assert fake.ops == real.ops
+
+
+def test_amps_cupy_kernels_count_each_pointer_list_by_its_access():
+    """kernel_traffic's rule: bytes per element of each list by the kernel's types; a list of
+    null pointers (no low-precision weights) is not touched; Adam's step counts per tensor."""
+    from amp.kernels import _layout
+
+    numels = [N, 2 * N]
+    rows = [[1, 2]] * 4 + [[0, 0], [5, 6]]  # no low-precision weights
+    (launch,) = _layout.plan(rows, numels, capacity=8)
+    read, written = device_work.launch_traffic("amp_adam<__nv_bfloat16, float>", launch.meta)
+    assert (read, written) == (3 * N * (2 + 12) + 2 * 4, 3 * N * 12)
+    rows[4] = [3, 4]
+    (launch,) = _layout.plan(rows, numels, capacity=8)
+    read, written = device_work.launch_traffic("amp_adam<__half, __half>", launch.meta)
+    assert (read, written) == (3 * N * 14 + 8, 3 * N * 14)  # 28 bytes an element in all
+    (launch,) = _layout.plan(rows[:1], numels, capacity=8)
+    assert device_work.launch_traffic("amp_check<__half>", launch.meta) == (3 * N * 2, 0)

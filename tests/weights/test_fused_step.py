@@ -4,11 +4,17 @@ optimizer's own step would; the general path for everything else; no host read w
 device decides (the skip is learned later); the CuPy path keeps gradients low precision until
 the step."""
 
+import sys
+
 import pytest
 import torch
 
 import amp
+from helpers import ROOT
 from helpers.models import inject, loss_of, make_model
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import device_work  # noqa: E402
 
 ADAMS = [
     (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
@@ -311,3 +317,34 @@ def test_the_cupy_path_names_the_overflowing_parameters_from_its_check(emulated_
 
     train(torch.optim.AdamW, dict(lr=0.01), batch_norm=False, inside=overflow)
     assert amp.last_overflow().params == ("2.weight",)
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize(
+    "cls, options, kernel_bytes, per_tensor",
+    [(torch.optim.AdamW, dict(lr=0.01), 2 + 28, 12), (torch.optim.SGD, SGDS[0][1], 2 + 20, 0)],
+    ids=["adamw", "sgd-momentum"],
+)
+def test_the_cupy_path_moves_the_bytes_of_one_pass_per_parameter(
+    emulated_cupy, cls, options, kernel_bytes, per_tensor
+):
+    """After backward the kernels read each BF16 gradient once at the exit (the check) and once
+    in the step, which reads the master and the state and writes them and the BF16 weight
+    (benchmarks/device_work.py's kernel_traffic); torch's own ops there do not grow with the
+    model (the scale update, the flags' copy to the host). Adam's step count is read and
+    counted per tensor (`per_tensor` bytes)."""
+    found = {}
+    for width in (16, 32):
+        model, optimizer = train(cls, options, steps=2, batch_norm=False, width=width)
+        params = list(model.parameters())
+        count = sum(p.numel() for p in params)
+        counter = device_work.DeviceWork()
+        with device_work.kernel_traffic() as kernels, counter:
+            optimizer.zero_grad()
+            with amp.scale_loss(loss_of(model, 2, inputs=width, outputs=width), optimizer) as s:
+                s.backward()
+            optimizer.step()
+        assert kernels.bytes == kernel_bytes * count + per_tensor * len(params)
+        found[width] = counter.phases["after backward"].bytes
+        amp.deinitialize()
+    assert found[16] == found[32]
