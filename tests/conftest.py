@@ -135,3 +135,13 @@ def deinitialized():
     """amp.deinitialize() after the test, for a test that ends with amp initialized."""
     yield
     amp.deinitialize()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: its CPU kernels split each thread's range into a vector loop and a
+    scalar loop that rounds differently, so bit-for-bit comparisons fix the split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -30,14 +30,6 @@ ODD_SIZES = [1, 5, 4099, 65537]
 
 
 @pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def kernel(monkeypatch):
     """The CuPy backend on multi_tensor.cu compiled for the CPU; `.launched()` names its kernels."""
     module, launches = fake_cupy.install(monkeypatch, kernels="compiled", order="shuffled", seed=3)

@@ -261,14 +261,6 @@ def test_a_skip_learned_later_is_reported_when_it_arrives_or_is_asked_for(copies
 
 
 @pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def emulated_cupy(monkeypatch):
     """amp.kernels runs CPU tensors through the CuPy backend on multi_tensor.cu compiled for the
     CPU, as it runs CUDA tensors on a GPU."""
