@@ -425,7 +425,7 @@ def load_state_dict(state_dict: Mapping[str, Any]) -> None:
             )
 
 
-def last_overflow() -> Any:
+def last_overflow() -> overflow.OverflowReport | None:
     """The OverflowReport of the last skipped step, or None if no step has been skipped.
 
     A skip the host has not learned of yet (its flag still on its way from the device) is
