@@ -5,6 +5,8 @@ import importlib
 import platform
 import sys
 
+__all__ = ["report"]
+
 
 def _version(module_name):
     try:

@@ -1,6 +1,8 @@
 """The package surface: public names and their types, python -m amp, no CuPy or CUDA at import."""
 
+import ast
 import inspect
+import pathlib
 import subprocess
 import sys
 
@@ -8,6 +10,8 @@ import pytest
 import torch
 
 import amp
+
+AMP = pathlib.Path(amp.__file__).parent
 
 API = {  # ../shared/API.md
     "initialize",
@@ -86,6 +90,47 @@ def test_signatures_show_the_parameters():
         "growth_interval",
         "enabled",
     ]
+
+
+def _bound_names(tree):
+    """Names a module binds at its top level, and the public functions and classes it defines."""
+    bound, defined = set(), set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+            if not node.name.startswith("_"):
+                defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        else:
+            bound.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+    return bound, defined
+
+
+def _declared(tree):
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    return None
+
+
+# Read, not imported: the CuPy modules import cupy, which CI does not install.
+@pytest.mark.parametrize(
+    "path", sorted(AMP.rglob("*.py")), ids=lambda path: str(path.relative_to(AMP.parent))
+)
+def test_every_module_declares_what_it_offers(path):
+    tree = ast.parse(path.read_text())
+    bound, defined = _bound_names(tree)
+    declared = _declared(tree)
+    if declared is None:
+        assert not defined, f"{path.name} defines {sorted(defined)} and has no __all__"
+        return
+    if "__getattr__" not in bound:  # a module __getattr__ makes names on first use
+        unbound = set(declared) - bound
+        assert not unbound, f"{path.name}: __all__ names {sorted(unbound)}, which it does not bind"
+    assert defined <= set(declared), f"{path.name}: {sorted(defined - set(declared))} undeclared"
 
 
 def test_environment_report():

@@ -28,6 +28,7 @@ __all__ = [
     "sgd_step_",
     "fuses",
     "cuda_backend",
+    "BackendChoice",
 ]
 
 

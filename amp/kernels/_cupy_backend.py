@@ -10,6 +10,19 @@ import torch
 from . import _cupy_device as cuda
 from . import _layout, _torch_backend
 
+__all__ = [
+    "check",
+    "unscale_",
+    "unscale_to_",
+    "unscale_add_",
+    "copy_",
+    "l2_norm",
+    "ChunkFlags",
+    "check_",
+    "adam_step_",
+    "sgd_step_",
+]
+
 check = cuda.check  # compiles for the current GPU (the probe of amp.kernels.cuda_backend)
 _TYPE_NAMES = cuda.TYPE_NAMES
 _grouped, _pick = cuda.grouped, cuda.pick

@@ -13,6 +13,22 @@ import torch
 
 from . import _layout
 
+__all__ = [
+    "PARAM_BYTES_ENV",
+    "TYPE_NAMES",
+    "SUPPORTED_PAIRS",
+    "nvrtc_version",
+    "on_gpu",
+    "gpu",
+    "stream",
+    "check",
+    "launch",
+    "grouped",
+    "pick",
+    "planned",
+    "run",
+]
+
 PARAM_BYTES_ENV = "AMP_KERNEL_PARAM_BYTES"  # force the 4 KB layout on GPUs that allow 32 KB
 _SOURCE = pathlib.Path(__file__).with_name("multi_tensor.cu").read_text()
 TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}

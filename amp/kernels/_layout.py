@@ -5,6 +5,20 @@ Pure numpy, importable without CUDA or CuPy, so the packing is tested on any mac
 
 import numpy as np
 
+__all__ = [
+    "CHUNK",
+    "BLOCK",
+    "PARAM_BYTES_SMALL",
+    "PARAM_BYTES_LARGE",
+    "meta_dtype",
+    "max_tensors",
+    "DEPTHS",
+    "compile_options",
+    "Launch",
+    "plan",
+    "simulate",
+]
+
 CHUNK = 65536  # elements per chunk (a multiple of the 4-element vectors, so alignment holds)
 BLOCK = 512  # threads per block (kBlock in the source)
 PARAM_BYTES_SMALL = 4096  # the kernel-parameter limit of every GPU

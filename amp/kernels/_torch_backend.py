@@ -11,6 +11,18 @@ import operator
 
 import torch
 
+__all__ = [
+    "unscale_",
+    "unscale_to_",
+    "unscale_add_",
+    "copy_",
+    "l2_norm",
+    "TensorFlags",
+    "check_",
+    "adam_step_",
+    "sgd_step_",
+]
+
 _unscale_op = torch._amp_foreach_non_finite_check_and_unscale_
 _dtype = operator.attrgetter("dtype")  # read at C level: the step's path stays O(1) Python calls
 _PIECE = 1 << 20  # elements: a float64 copy of a piece is 8 MiB

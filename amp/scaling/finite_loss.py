@@ -14,6 +14,8 @@ import torch
 from .. import distributed
 from ..weights.checks import BAD, FOUND
 
+__all__ = ["check", "agree"]
+
 
 def check(loss, check):
     """Leave in `check` (weights/checks.Check) whether `loss` is not finite. No sync."""

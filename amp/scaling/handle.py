@@ -9,6 +9,8 @@ from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import is_optimizer_like
 from . import finite_loss
 
+__all__ = ["scale_loss"]
+
 
 def _checked_records(optimizers):
     if is_optimizer_like(optimizers):
@@ -79,7 +81,7 @@ def scale_loss(
 
 class _ScaleLoss:
     """The block of one scale_loss. A class rather than a generator context manager: it runs
-    every step, and contextlib's machinery costs four Python calls more."""
+    every step, and contextlib's machinery would add Python calls to each."""
 
     __slots__ = (
         "loss",

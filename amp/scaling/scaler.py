@@ -18,6 +18,16 @@ from ..weights.checks import (
     views,
 )
 
+__all__ = [
+    "DEFAULT_INIT_SCALE",
+    "DEFAULT_GROWTH_INTERVAL",
+    "SCALE_FLOOR",
+    "LossScaler",
+    "check_loss_scale",
+    "check_count",
+    "check_state",
+]
+
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
 # The smallest normal float32. A dynamic scale never goes below it: 1 / scale stays finite, so a
@@ -89,7 +99,6 @@ class LossScaler:
     def growth_interval(self, value):
         self._mirror.learn(wait=True)  # the updates made with the old interval are replayed first
         self._mirror.growth_interval = value
-
 
     def _device_state(self, device):
         if self._state is None:

@@ -19,6 +19,20 @@ import math
 
 import torch
 
+__all__ = [
+    "STATE_LENGTH",
+    "INV",
+    "TRACKER",
+    "FOUND",
+    "BAD",
+    "FOUND_EFFECTIVE",
+    "INV_USED",
+    "new_state",
+    "views",
+    "Check",
+    "ScaleMirror",
+]
+
 STATE_LENGTH = 6
 INV, TRACKER, FOUND, BAD, FOUND_EFFECTIVE, INV_USED = range(STATE_LENGTH)
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -17,6 +17,8 @@ import torch
 from .._state import amp_state
 from ..distributed import clean_name, dtensor_class, has_dtensors
 
+__all__ = ["check_engines", "anchor", "check_places", "follow_masters", "follow_ddp_broadcast"]
+
 _SUPPORTED_ROUTES = (
     "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'); or, "
     "for low-precision parameters, the engine's own mixed precision "

@@ -28,6 +28,8 @@ from torch.optim import optimizer as torch_optimizer
 
 from .. import kernels
 
+__all__ = ["FusedStep"]
+
 _EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
 _BUFFER = operator.itemgetter("momentum_buffer")
 _grad = operator.attrgetter("grad")
@@ -158,7 +160,7 @@ class FusedStep:
                 return False
             calls.append((options, grads, params, models, state, inv_scale))
         step = kernels.adam_step_ if self.kind == "adam" else kernels.sgd_step_
-        # torch.no_grad(), without its eight Python calls per step.
+        # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:

@@ -30,6 +30,8 @@ import torch
 from .. import distributed, kernels
 from .table import set_each
 
+__all__ = ["GradientStash", "add_to_master_grad"]
+
 _grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
 _is_sparse = operator.attrgetter("is_sparse")
 _not_none = functools.partial(operator.is_not, None)  # with filter: no Python call per item

@@ -12,6 +12,16 @@ from .fused_step import FusedStep
 from .grad_stash import add_to_master_grad
 from .table import ParamTable, set_each
 
+__all__ = [
+    "new_master",
+    "match_state_to_params",
+    "frozen_table",
+    "master_row",
+    "master_for",
+    "Deferred",
+    "Masters",
+]
+
 _grad = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
 
@@ -147,7 +157,7 @@ class Masters:
         nearest even), amp marks that write as its own, and the master gradients go (no
         model.zero_grad() reaches them; apex did the same)."""
         table = self.table
-        # torch.no_grad(), without its eight Python calls per step.
+        # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:

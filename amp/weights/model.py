@@ -22,6 +22,16 @@ from .shadows import (
     SyncBeforeForward,
 )
 
+__all__ = [
+    "check_model",
+    "check_hookable",
+    "parameters_to_cast",
+    "cast_model",
+    "CastInputs",
+    "CastOutputs",
+    "cast_forward",
+]
+
 _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 _PARALLEL_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 

@@ -24,6 +24,14 @@ from .masters import Masters, master_for, match_state_to_params, new_master
 from .skip import SkipDecision
 from .table import ParamTable, set_each
 
+__all__ = [
+    "MASTER_PARAMS_KEY",
+    "check_optimizer",
+    "OptimizerRecord",
+    "takes_found_inf",
+    "instrument",
+]
+
 MASTER_PARAMS_KEY = optimizer_state.MASTER_PARAMS_KEY
 
 _PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
@@ -144,7 +152,7 @@ class OptimizerRecord:
             if masters.deferred is not None:
                 masters.materialize()
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
-        # runs every step, and a generator context manager costs six Python calls).
+        # runs every step, and a generator context manager's machinery is Python calls).
         thread = amp_state.thread
         saved = thread.policy
         thread.policy = None

@@ -6,6 +6,8 @@ from .. import kernels
 from .._state import amp_state
 from .snapshot import OptimizerSnapshot
 
+__all__ = ["MASTER_PARAMS_KEY", "state_dict", "load_state_dict", "check_masters"]
+
 MASTER_PARAMS_KEY = "amp_master_params"
 
 

@@ -24,6 +24,15 @@ import torch
 
 from ..casting.casts import LOW_PRECISION
 
+__all__ = [
+    "Shadow",
+    "ModelShadows",
+    "SyncBeforeForward",
+    "FP32StateDict",
+    "LoadIntoShadows",
+    "MarkLoaded",
+]
+
 _DATA = torch.Tensor.data_ptr  # `param.data = t` keeps the version counter: the storage tells
 
 

@@ -19,6 +19,8 @@ from ..apex_interop.optimizer_wrappers import wrapped_optimizers
 from ..diagnostics import nonfinite_loss
 from ..diagnostics.overflow import OverflowReport
 
+__all__ = ["SkipDecision", "learn_all"]
+
 
 class SkipDecision:
     """The checks of an optimizer's blocks since its last step, and those whose step the device

@@ -9,6 +9,8 @@ parameter storage alive until initialize returns.
 
 import torch
 
+__all__ = ["Snapshot", "OptimizerSnapshot"]
+
 
 class Snapshot:
     def __init__(self, models, optimizers):

@@ -29,6 +29,8 @@ import torch
 
 from ..casting.casts import LOW_PRECISION
 
+__all__ = ["set_each", "ParamTable"]
+
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
 _DATA = torch.Tensor.data_ptr
