@@ -66,7 +66,9 @@ def test_scale_loss_reduces_the_flag_once_per_step_and_names_once_per_skip(count
         helper.one_step(model, optimizer)
         assert len(count_collectives) == 1  # the overflow flag
         inputs, targets = helper.batches(0)[0][0]
-        with amp.scale_loss(helper.cross_entropy_part(model, inputs, targets, 1), optimizer) as scaled:
+        with amp.scale_loss(
+            helper.cross_entropy_part(model, inputs, targets, 1), optimizer
+        ) as scaled:
             scaled.backward()
             helper.inject(model[0].weight.grad)
         optimizer.step()

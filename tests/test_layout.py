@@ -69,7 +69,9 @@ def _imports(path):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            base = (
+                package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            )
             base = ".".join(base + ([node.module] if node.module else []))
             # `from amp import lists` depends on amp.lists; `from amp.x import name` on amp.x.
             targets = [
@@ -117,7 +119,7 @@ def test_no_import_cycle():
 
     def visit(module):
         if module in path:
-            cycle = path[path.index(module):] + [module]
+            cycle = path[path.index(module) :] + [module]
             raise AssertionError("import cycle: " + " -> ".join(cycle))
         if module in done:
             return

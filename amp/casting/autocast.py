@@ -12,7 +12,8 @@ import torch
 from .._state import amp_state
 from ..lists.float8_recipes import check_recipe_name
 from . import native_autocast as native_state
-from .casts import DEVICE_FILTERS, DEVICE_TYPES, KEEP, LOW_PRECISION, cast_tree, with_device
+from .cast_tree import cast_tree
+from .casts import DEVICE_FILTERS, DEVICE_TYPES, KEEP, LOW_PRECISION, with_device
 
 __all__ = [
     "policy_scope",

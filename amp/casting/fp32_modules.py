@@ -17,7 +17,7 @@ import torch
 
 from .._state import amp_state
 from .autocast import policy_scope
-from .casts import cast_tree
+from .cast_tree import cast_tree
 
 __all__ = ["resolve", "keeps", "FP32Inputs", "RestoreCasting", "install"]
 

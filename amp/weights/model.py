@@ -11,7 +11,8 @@ import torch
 
 from .._state import amp_state
 from ..casting import fp32_modules
-from ..casting.casts import LOW_PRECISION, cast_tree
+from ..casting.cast_tree import cast_tree
+from ..casting.casts import LOW_PRECISION
 from .masters import frozen_table, master_row, new_master
 from .shadows import (
     FP32StateDict,

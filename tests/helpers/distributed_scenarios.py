@@ -300,7 +300,9 @@ def reference(engine, mode):
                 scaler.update()
                 scales.append(scaler.get_scale())
             else:
-                with amp.scale_loss(cross_entropy_part(model, inputs, targets, 1), optimizer) as scaled:
+                with amp.scale_loss(
+                    cross_entropy_part(model, inputs, targets, 1), optimizer
+                ) as scaled:
                     scaled.backward()
                     if step == OVERFLOW_STEP:
                         inject(model[0].weight.grad)

@@ -110,7 +110,12 @@ def train_example(opt_level, dtype, steps, save_at=None, checkpoint=None, resume
     import checkpoint as example
 
     result = example.train(
-        opt_level, str(dtype).split(".")[-1], "cpu", steps, load=resume, save=checkpoint,
+        opt_level,
+        str(dtype).split(".")[-1],
+        "cpu",
+        steps,
+        load=resume,
+        save=checkpoint,
         save_at=save_at,
     )
     return {"state": result["weights"], "losses": result["losses"]}

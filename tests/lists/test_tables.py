@@ -8,7 +8,7 @@ import torch
 
 import amp
 from amp import lists
-from amp.casting.casts import cast_tree
+from amp.casting.cast_tree import cast_tree
 from helpers import DTYPES, casting
 from helpers.op_samples import CUDA_ONLY, LAPACK, NAMESPACE_SAMPLES, SAMPLES, sample
 

@@ -29,6 +29,7 @@ def test_apex_script_overflow_skips_the_step_of_both_optimizers_of_that_loss(opt
     assert result["scheduler steps"] == 3  # the _unskipped gate held the scheduler back once
     assert result["overflow"].loss_id == 1 and result["overflow"].params == ("model1.3.weight",)
 
+
 def test_o0_script_is_plain_pytorch_bit_for_bit():
     """O0 with forced scales 4 and 16: scaling by powers of two and back changes no bit."""
     with_amp = run("O0", torch.float16, steps=4)
@@ -36,6 +37,7 @@ def test_o0_script_is_plain_pytorch_bit_for_bit():
     for key, value in plain["state"].items():
         assert torch.equal(value, with_amp["state"][key]), key
     assert with_amp["losses"] == plain["losses"]
+
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_apex_script_zeroing_ways_agree(opt_level):

@@ -32,8 +32,18 @@ def test_the_float8_row_counts_three_fp8_matmuls_per_linear_and_saves_what_o2_sa
 def test_float8_layers_runs_at_toy_sizes():
     pytest.importorskip("torchao.float8")
     table = float8_layers.main(
-        ["--tiny", "--device", "cpu", "--no-compile", "--layers", "1", "--steps", "1",
-         "--warmup", "0"]
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--layers",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ]
     )
     assert [row["variant"] for row in table] == [
         "amp O2",

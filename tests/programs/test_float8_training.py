@@ -130,9 +130,7 @@ def test_a_skipped_step_changes_nothing_and_backs_the_scale_off():
         after = (model.state_dict(), optimizer.state_dict())
         assert amp.state_dict()["loss_scaler0"]["loss_scale"] == scale / 2
         assert all(torch.equal(before[0][k], v) for k, v in after[0].items())
-        assert all(
-            torch.equal(a, b) for a, b in zip(_tensors(before[1]), _tensors(after[1]))
-        )
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(before[1]), _tensors(after[1])))
         assert amp.last_overflow() is not None
         _step(model, optimizer, 2)
         assert not torch.equal(before[0]["head.weight"], model.state_dict()["head.weight"])

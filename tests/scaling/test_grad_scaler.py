@@ -414,7 +414,11 @@ def _steps(scaler, count=5, overflow_at=1):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, SCALER_ARGS, dict(init_scale=3.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)],
+    [
+        {},
+        SCALER_ARGS,
+        dict(init_scale=3.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7),
+    ],
     ids=["defaults", "test-arguments", "others"],
 )
 def test_getters_answer_as_torchs_before_and_after_steps(kwargs):
@@ -443,7 +447,9 @@ def test_setters_change_the_next_update_as_torchs_do(setter, value, when):
     (ours, our_params), (theirs, their_params) = traces
     assert ours == theirs
     assert all(torch.equal(a, b) for a, b in zip(our_params, their_params))
-    untouched, _ = _steps(amp.GradScaler(init_scale=128.0, growth_interval=2), count=6, overflow_at=3)
+    untouched, _ = _steps(
+        amp.GradScaler(init_scale=128.0, growth_interval=2), count=6, overflow_at=3
+    )
     assert [row[1] for row in ours[-6:]] != [row[1] for row in untouched]  # the setter told
 
 
@@ -472,7 +478,11 @@ def test_state_dict_has_torchs_five_keys_and_round_trips_into_a_fresh_scaler(sou
     _steps(first, count=5, overflow_at=1)  # the growth tracker mid-interval
     saved = first.state_dict()
     assert list(saved) == [
-        "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
     ]
     assert saved == {
         "scale": 64.0 * 0.25 * 4.0,

@@ -216,8 +216,10 @@ def test_two_keys_for_one_scaler_are_refused():
 )
 def test_an_int_loss_scale_too_large_for_a_float_gets_amps_error(scale):
     model, optimizer = amp.initialize(
-        torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
-        opt_level="O1", verbosity=0,
+        torch.nn.Linear(2, 2),
+        torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+        opt_level="O1",
+        verbosity=0,
     )
     before = amp.state_dict()
     with pytest.raises(ValueError, match="int of .* bits"):
@@ -265,7 +267,9 @@ def test_a_static_checkpoint_starts_a_dynamic_scaler_at_its_scale(caplog):
         amp.load_state_dict(saved)
     assert "comes from a static loss scale" in caplog.text
     assert amp.state_dict()["loss_scaler0"] == {
-        "loss_scale": 128.0, "unskipped": 0, "dynamic": True
+        "loss_scale": 128.0,
+        "unskipped": 0,
+        "dynamic": True,
     }
     scaled_step(model, optimizer, overflow=True)  # an overflow: dynamic backs off
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 64.0

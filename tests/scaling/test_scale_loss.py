@@ -236,7 +236,9 @@ def test_exception_in_the_block_puts_gradients_back():
         assert amp.last_overflow() is None
         assert all(not torch.equal(p, w) for p, w in zip(model.parameters(), weights))
         assert amp.state_dict()["loss_scaler0"] == {
-            "loss_scale": 65536.0, "unskipped": 1, "dynamic": True
+            "loss_scale": 65536.0,
+            "unskipped": 1,
+            "dynamic": True,
         }
     finally:
         amp.deinitialize()

@@ -1,11 +1,11 @@
-"""Casting nested values (amp/casting/casts.py): cast_tree keeps container types and returns
+"""Casting nested values (amp/casting/cast_tree.py): cast_tree keeps container types and returns
 what it did not change as the same objects."""
 
 import collections
 
 import torch
 
-from amp.casting.casts import cast_tree
+from amp.casting.cast_tree import cast_tree
 from helpers.models import Batch, FrozenBatch, Movable, Pair
 
 
