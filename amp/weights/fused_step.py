@@ -14,10 +14,10 @@ FP32 master gradients as the general path does and the step runs torch's fused o
 It applies where it computes what the optimizer's own step would (kernels.adam_step_ says to
 which precision): the exact classes, no amsgrad, maximize, capturable or differentiable, float
 hyperparameters, no step hooks, state made by an earlier step (the first step is the
-optimizer's own, which makes it), dense gradients on one device. Anything else takes the
-general path. The hyperparameters are read from `param_groups` at every step (schedulers,
-`add_param_group`); the user's `foreach` / `fused` flags choose an implementation of the same
-update, so they take the fused step too.
+optimizer's own, which makes it), dense gradients on one device, real (not complex)
+parameters. Anything else takes the general path. The hyperparameters are read from
+`param_groups` at every step (schedulers, `add_param_group`); the user's `foreach` / `fused`
+flags choose an implementation of the same update, so they take the fused step too.
 """
 
 import itertools
@@ -151,8 +151,8 @@ class FusedStep:
                 grads = list(itertools.compress(grads, present))
                 params = list(itertools.compress(params, present))
                 models = None if models is None else list(itertools.compress(models, present))
-            if any(map(_is_sparse, grads)):
-                return False
+            if any(map(_is_sparse, grads)) or any(map(torch.is_complex, params)):
+                return False  # torch's fused ops and the kernels take neither: the general path
             state = self._state(params, options)
             if state is None:
                 return False
