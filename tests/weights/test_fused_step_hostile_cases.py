@@ -149,3 +149,58 @@ def test_a_complex_parameter_is_stepped_as_the_optimizer_steps_it(cls, options):
     theirs = _complex_run(cls, options, True)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
+
+
+class _WithAFloat64Parameter(torch.nn.Module):
+    """A cast Linear, a batch norm kept FP32 and a float64 parameter: the group's plain
+    parameters have two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 2)
+        self.norm = torch.nn.BatchNorm1d(2)
+        self.offset = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.norm(self.linear(x)).float() + self.offset.float()
+
+
+def _float64_run(cls, options, general):
+    model = _WithAFloat64Parameter()
+    optimizer = cls(model.parameters(), **options)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    if general:
+        optimizer.register_step_pre_hook(lambda *args: None)
+    for step in range(3):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    params = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
+    state = [t.clone() for s in optimizer.state.values() for t in s.values() if t is not None]
+    return params + state
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize(
+    "cls, options",
+    [
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1, fused=True)),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, fused=True)),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_plain_parameters_of_two_dtypes_in_one_group_are_stepped_as_the_optimizer_does(
+    cls, options
+):
+    """A plain parameter is stepped in its own dtype (the torch backend made FP32 copies of every
+    gradient of a call that was not all FP32, and torch's fused op raised "expected scalar type
+    Double but found Float" from the second step on)."""
+    ours = _float64_run(cls, options, False)
+    amp.deinitialize()
+    theirs = _float64_run(cls, options, True)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
