@@ -45,8 +45,11 @@ def _kind(optimizer, step):
         kind = "sgd"
     else:
         return None
-    function = getattr(step, "__func__", None) or getattr(step, "__wrapped__", None)
-    return kind if function is cls.step else None  # an LR scheduler's wrapper keeps it
+    function = getattr(step, "__func__", None)
+    if function is None and getattr(step, "_wrapped_by_lr_sched", False):
+        function = getattr(step, "__wrapped__", None)  # an LR scheduler's wrapper keeps it
+    # Another wrapper of the class's step (functools.wraps) does work of its own: it must run.
+    return kind if function is cls.step else None
 
 
 def _adam_options(group):

@@ -224,3 +224,32 @@ def test_plain_parameters_of_two_dtypes_in_one_group_are_stepped_as_the_optimize
     theirs = _float64_run(cls, options, True)
     for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_a_users_wrapper_of_the_step_runs_at_every_step():
+    """A wrapper the user put on `optimizer.step` before initialize (functools.wraps over the
+    class's step, as LR schedulers do) is the optimizer's step: amp's fused step must not take
+    its place (only an LR scheduler's own wrapper, which just marks the call, may be passed)."""
+    import functools
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ran = []
+    own_step = type(optimizer).step
+
+    @functools.wraps(own_step)
+    def step(*args, **kwargs):
+        ran.append(True)
+        return own_step(optimizer, *args, **kwargs)
+
+    optimizer.step = step
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    for index in range(4):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, index), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    assert len(ran) == 4
