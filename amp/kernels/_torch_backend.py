@@ -176,9 +176,10 @@ def check_(tensors, found_inf, inv_scale=None, inv_used=None):
 
 
 def _float32_gradients(grads, inv_scale):
-    """FP32 gradients to step with: the gradients times inv_scale (one rounding in float32),
-    or the gradients themselves when they are FP32 already and there is no scale."""
-    if inv_scale is None and set(map(_dtype, grads)) == {torch.float32}:
+    """The gradients to step with: the (low-precision, deferred) gradients of FP32 masters times
+    inv_scale in FP32 (one rounding in float32), or, with no scale, the gradients themselves, in
+    their parameters' dtype (a plain float64 or FP16 parameter is stepped in its own dtype)."""
+    if inv_scale is None:
         return grads
     copies = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
     torch._foreach_copy_(copies, grads)  # exact

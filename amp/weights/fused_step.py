@@ -14,10 +14,10 @@ FP32 master gradients as the general path does and the step runs torch's fused o
 It applies where it computes what the optimizer's own step would (kernels.adam_step_ says to
 which precision): the exact classes, no amsgrad, maximize, capturable or differentiable, float
 hyperparameters, no step hooks, state made by an earlier step (the first step is the
-optimizer's own, which makes it), dense gradients on one device. Anything else takes the
-general path. The hyperparameters are read from `param_groups` at every step (schedulers,
-`add_param_group`); the user's `foreach` / `fused` flags choose an implementation of the same
-update, so they take the fused step too.
+optimizer's own, which makes it), dense gradients on one device, real (not complex)
+parameters. Anything else takes the general path. The hyperparameters are read from
+`param_groups` at every step (schedulers, `add_param_group`); the user's `foreach` / `fused`
+flags choose an implementation of the same update, so they take the fused step too.
 """
 
 import itertools
@@ -47,8 +47,11 @@ def _kind(optimizer, step):
         kind = "sgd"
     else:
         return None
-    function = getattr(step, "__func__", None) or getattr(step, "__wrapped__", None)
-    return kind if function is cls.step else None  # an LR scheduler's wrapper keeps it
+    function = getattr(step, "__func__", None)
+    if function is None and getattr(step, "_wrapped_by_lr_sched", False):
+        function = getattr(step, "__wrapped__", None)  # an LR scheduler's wrapper keeps it
+    # Another wrapper of the class's step (functools.wraps) does work of its own: it must run.
+    return kind if function is cls.step else None
 
 
 def _adam_options(group):
@@ -153,8 +156,8 @@ class FusedStep:
                 grads = list(itertools.compress(grads, present))
                 params = list(itertools.compress(params, present))
                 models = None if models is None else list(itertools.compress(models, present))
-            if any(map(_is_sparse, grads)):
-                return False
+            if any(map(_is_sparse, grads)) or any(map(torch.is_complex, params)):
+                return False  # torch's fused ops and the kernels take neither: the general path
             state = self._state(params, options)
             if state is None:
                 return False

@@ -101,6 +101,7 @@ class Masters:
         self.record = record
         self.table = record.table
         self.deferred = None  # a Deferred between scale_loss's exit and the step
+        self.exposed = False  # amp.master_params() handed the masters out: nothing is deferred
         self.fused = FusedStep(record)
 
     def defer(self, models, masters, grads, inv_scale, found_inf, inv_used):

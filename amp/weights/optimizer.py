@@ -180,13 +180,16 @@ class OptimizerRecord:
         """Whether scale_loss's exit keeps this optimizer's master gradients low precision for
         the fused step (the CuPy kernels and a fused step that applies)."""
         masters = self.masters
-        return kernels.fuses(device) and masters.fused.plan() is not None
+        return kernels.fuses(device) and not masters.exposed and masters.fused.plan() is not None
 
     def expose_masters(self):
         """amp.master_params(): the masters as the user sees them, outside writes taken in and
         deferred gradients made FP32 (a step after that takes the general path)."""
         masters = self.masters
         if masters is not None:
+            # The user holds the masters now (a list kept to clip every step): from the next
+            # scale_loss on their FP32 gradients are made at its exit, not deferred to the step.
+            masters.exposed = True
             masters.take_outside_writes()
             if masters.deferred is not None:
                 masters.materialize()
