@@ -125,7 +125,12 @@ def main(argv=None):
         workload = workloads.END_TO_END[model + ("-tiny" if args.tiny else "")]
         for dtype in dtypes:
             table = run(
-                workload, names, getattr(torch, dtype), args.device, args.steps, args.warmup,
+                workload,
+                names,
+                getattr(torch, dtype),
+                args.device,
+                args.steps,
+                args.warmup,
                 args.optimizer,
             )
             results[(model, dtype)] = table

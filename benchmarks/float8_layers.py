@@ -165,7 +165,10 @@ def measure(name, setup, args, sizes):
     step, close = setup(model, not args.no_compile)
     try:
         inputs = torch.randn(
-            args.batch, sizes["length"], sizes["hidden"], device=args.device,
+            args.batch,
+            sizes["length"],
+            sizes["hidden"],
+            device=args.device,
             generator=torch.Generator(args.device).manual_seed(1),
         )
         for _ in range(args.warmup):

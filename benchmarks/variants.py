@@ -123,8 +123,12 @@ def _amp_autocast(model, loss_fn, dtype, optimizer):
 def _amp_level(opt_level, float8=None):
     def setup(model, loss_fn, dtype, optimizer):
         model, opt = amp.initialize(
-            model, _adamw(model.parameters(), optimizer), opt_level=opt_level, dtype=dtype,
-            verbosity=0, float8=float8,
+            model,
+            _adamw(model.parameters(), optimizer),
+            opt_level=opt_level,
+            dtype=dtype,
+            verbosity=0,
+            float8=float8,
         )
 
         def step(inputs, targets):

@@ -1,14 +1,14 @@
 """The models and data the step benchmarks train, by name; each builds a fresh, seeded FP32 model.
 
-  transformer-w16-dN-s8     models.Encoder, width 16, 4 heads, vocab 256, N layers, batch 2 x 8
-                            tokens: a host-bound step (the Python-calls workloads, N = 1, 4, 16)
-  transformer-w512-d4-sL    models.Encoder, 4 layers, width 512, 8 heads, vocab 1024, batch 8 x L
-                            tokens (the memory workloads, L = 128 and 512; width 64 at CI sizes)
-  cnn                       models.ResNet at width 16, one bottleneck per stage, 10 classes,
-                            batch 32 of 3x64x64 images (cnn-tiny: width 8, batch 8 of 32x32)
-  gpt2                      GPT-2 small (124M), batch 8 x 1024 tokens
-  resnet50                  ResNet-50, batch 64 of 3x224x224 images, 1000 classes
-  gpt2-tiny, resnet50-tiny  the same code at CI sizes (2 layers of width 32; width 8, 32x32)
+transformer-w16-dN-s8     models.Encoder, width 16, 4 heads, vocab 256, N layers, batch 2 x 8
+                          tokens: a host-bound step (the Python-calls workloads, N = 1, 4, 16)
+transformer-w512-d4-sL    models.Encoder, 4 layers, width 512, 8 heads, vocab 1024, batch 8 x L
+                          tokens (the memory workloads, L = 128 and 512; width 64 at CI sizes)
+cnn                       models.ResNet at width 16, one bottleneck per stage, 10 classes,
+                          batch 32 of 3x64x64 images (cnn-tiny: width 8, batch 8 of 32x32)
+gpt2                      GPT-2 small (124M), batch 8 x 1024 tokens
+resnet50                  ResNet-50, batch 64 of 3x224x224 images, 1000 classes
+gpt2-tiny, resnet50-tiny  the same code at CI sizes (2 layers of width 32; width 8, 32x32)
 """
 
 import functools
