@@ -145,3 +145,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch):
+    """amp.kernels runs CPU tensors through the CuPy backend on multi_tensor.cu compiled for the
+    CPU, as it runs CUDA tensors on a GPU; returns the recorded launches."""
+    from helpers import fake_cupy
+    from helpers.cuda_emulation import build
+
+    if build.compiler() is None:
+        pytest.skip("needs g++ for the emulated grid")
+    backend, launches = fake_cupy.install(monkeypatch, kernels="compiled")
+    monkeypatch.setattr(amp.kernels, "_torch_backend", backend)
+    monkeypatch.setattr(amp.kernels, "fuses", lambda device: True)
+    return launches

@@ -32,22 +32,13 @@ __all__ = [
 PARAM_BYTES_ENV = "AMP_KERNEL_PARAM_BYTES"  # force the 4 KB layout on GPUs that allow 32 KB
 _SOURCE = pathlib.Path(__file__).with_name("multi_tensor.cu").read_text()
 TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-_PAIRS = [
-    (torch.float32, torch.float32),
-    (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float32),
-    (torch.float32, torch.float16),
-    (torch.float32, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-]
 _NAMES = (
     [f"amp_unscale<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
     + [f"amp_sum_squares<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
     + [
         f"{kernel}<{TYPE_NAMES[src]}, {TYPE_NAMES[dst]}>"
         for kernel in ("amp_scale_copy", "amp_scale_add")
-        for src, dst in _PAIRS
+        for src, dst in _layout.DTYPE_PAIRS
     ]
     + ["amp_norm_finalize"]
     + [f"amp_check<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
@@ -58,7 +49,7 @@ _NAMES = (
     ]
     + ["amp_count_steps"]
 )
-SUPPORTED_PAIRS = frozenset(_PAIRS)
+SUPPORTED_PAIRS = frozenset(_layout.DTYPE_PAIRS)
 
 
 class _Stream:

@@ -1,9 +1,11 @@
-"""Launch metadata for multi_tensor.cu: numpy mirrors of its Meta structs, and launch plans.
+"""Launch metadata for multi_tensor.cu: numpy mirrors of its Meta structs, launch plans, and the
+dtype pairs its copy kernels are instantiated for.
 
-Pure numpy, importable without CUDA or CuPy, so the packing is tested on any machine.
+Importable without CUDA or CuPy, so the packing is tested on any machine.
 """
 
 import numpy as np
+import torch
 
 __all__ = [
     "CHUNK",
@@ -17,12 +19,23 @@ __all__ = [
     "Launch",
     "plan",
     "simulate",
+    "DTYPE_PAIRS",
 ]
 
 CHUNK = 65536  # elements per chunk (a multiple of the 4-element vectors, so alignment holds)
 BLOCK = 512  # threads per block (kBlock in the source)
 PARAM_BYTES_SMALL = 4096  # the kernel-parameter limit of every GPU
 PARAM_BYTES_LARGE = 32764  # with CUDA >= 12.1 on compute capability >= 7.0
+# (source, destination) dtypes amp_scale_copy and amp_scale_add are instantiated for.
+DTYPE_PAIRS = (
+    (torch.float32, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+)
 _OTHER_PARAMETER_BYTES = 64  # the kernels' other parameters (3 x 8 bytes), with room to spare
 
 

@@ -175,7 +175,7 @@ def check_(tensors, found_inf, inv_scale=None, inv_used=None):
     return TensorFlags(flags)
 
 
-def _float32_gradients(grads, inv_scale):
+def _unscaled_gradients(grads, inv_scale):
     """The gradients to step with: the (low-precision, deferred) gradients of FP32 masters times
     inv_scale in FP32 (one rounding in float32), or, with no scale, the gradients themselves, in
     their parameters' dtype (a plain float64 or FP16 parameter is stepped in its own dtype)."""
@@ -183,14 +183,13 @@ def _float32_gradients(grads, inv_scale):
         return grads
     copies = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
     torch._foreach_copy_(copies, grads)  # exact
-    if inv_scale is not None:
-        torch._foreach_mul_(copies, inv_scale)
+    torch._foreach_mul_(copies, inv_scale)
     return copies
 
 
 def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
     """One step of AdamW (options["decoupled"]) or Adam by torch's fused op; see kernels."""
-    grads = _float32_gradients(grads, inv_scale)
+    grads = _unscaled_gradients(grads, inv_scale)
     torch._foreach_add_(steps, 1)
     step = torch._fused_adamw_ if options["decoupled"] else torch._fused_adam_
     step(
@@ -217,7 +216,7 @@ def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
 
 def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
     """One step of SGD by torch's fused op; see kernels."""
-    grads = _float32_gradients(grads, inv_scale)
+    grads = _unscaled_gradients(grads, inv_scale)
     torch._fused_sgd_(
         masters,
         grads,

@@ -21,15 +21,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PAIRS = [
-    (torch.float32, torch.float32),
-    (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float32),
-    (torch.float32, torch.float16),
-    (torch.float32, torch.bfloat16),
-    (torch.float16, torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-]
 # Tensor sizes around the vector width (4), the block's stride and the chunk (65536).
 SIZES = [0, 1, 3, 4, 5, 2047, 4096 + 3, 65536, 65537, 2 * 65536 + 11]
 ORDERS = [("forward", 0), ("reversed", 0), ("shuffled", 1)]
@@ -160,7 +151,7 @@ def run_all_three(function, sources, destinations, inv_scale, kernel):
 
 
 @pytest.mark.parametrize("function", ["unscale_to_", "unscale_add_"])
-@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("pair", _layout.DTYPE_PAIRS, ids=_pair_id)
 def test_scaled_kernels_match_torch_and_the_torch_backend(kernel, function, pair):
     sources, destinations = pair_lists(pair, seed=3)
     sources[4][2] = float("inf")
@@ -203,7 +194,7 @@ def test_two_list_kernels_split_over_many_parameter_blocks(kernel, monkeypatch):
     assert found == expected_found == backend_found == 1.0
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+@pytest.mark.parametrize("pair", _layout.DTYPE_PAIRS, ids=_pair_id)
 def test_copy_matches_torch(kernel, pair):
     sources, destinations = pair_lists(pair, seed=4)
     sources[1][0] = float("nan")

@@ -260,21 +260,6 @@ def test_a_skip_learned_later_is_reported_when_it_arrives_or_is_asked_for(copies
 # -- the CuPy path: gradients low precision until the step ---------------------------------------
 
 
-@pytest.fixture
-def emulated_cupy(monkeypatch):
-    """amp.kernels runs CPU tensors through the CuPy backend on multi_tensor.cu compiled for the
-    CPU, as it runs CUDA tensors on a GPU."""
-    from helpers import fake_cupy
-    from helpers.cuda_emulation import build
-
-    if build.compiler() is None:
-        pytest.skip("needs g++ for the emulated grid")
-    backend, launches = fake_cupy.install(monkeypatch, kernels="compiled")
-    monkeypatch.setattr(amp.kernels, "_torch_backend", backend)
-    monkeypatch.setattr(amp.kernels, "fuses", lambda device: True)
-    return launches
-
-
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[1]], ids=["adamw", "sgd-nesterov"])
 def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(

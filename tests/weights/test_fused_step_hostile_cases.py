@@ -8,21 +8,6 @@ import amp
 from helpers.models import loss_of, make_model
 
 
-@pytest.fixture
-def emulated_cupy(monkeypatch):
-    """amp.kernels runs CPU tensors through the CuPy backend on multi_tensor.cu compiled for the
-    CPU (as tests/weights/test_fused_step.py's fixture)."""
-    from helpers import fake_cupy
-    from helpers.cuda_emulation import build
-
-    if build.compiler() is None:
-        pytest.skip("needs g++ for the emulated grid")
-    backend, launches = fake_cupy.install(monkeypatch, kernels="compiled")
-    monkeypatch.setattr(amp.kernels, "_torch_backend", backend)
-    monkeypatch.setattr(amp.kernels, "fuses", lambda device: True)
-    return launches
-
-
 def _train(general, clip_through, steps=4, cls=torch.optim.AdamW, options=None):
     options = options or dict(lr=0.01, fused=True)  # bit for bit with the kernel (one thread)
     model = make_model(inputs=16, hidden=32, outputs=16)
@@ -88,22 +73,23 @@ def test_clipping_a_list_of_master_params_taken_once_clips_every_step(emulated_c
         assert torch.equal(a, b)
 
 
-def _sgd_run(general):
-    model = make_model()  # biases of 8 and 2 elements: torch's CPU scalar loop
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+def _stepped(model, cls, options, general, steps=3):
+    """The masters and the optimizer's state tensors after `steps` O2 steps of `model`: amp's
+    fused step, or (`general`) the optimizer's own, which a step hook selects."""
+    optimizer = cls(model.parameters(), **options)
     model, optimizer = amp.initialize(
         model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
     )
     if general:
         optimizer.register_step_pre_hook(lambda *args: None)
-    for step in range(4):
+    for step in range(steps):
         optimizer.zero_grad()
         with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
             scaled.backward()
         optimizer.step()
     masters = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
-    buffers = [s["momentum_buffer"].clone() for s in optimizer.state.values()]
-    return masters + buffers
+    state = [t.clone() for s in optimizer.state.values() for t in s.values() if t is not None]
+    return masters, state
 
 
 @pytest.mark.xfail(
@@ -115,10 +101,12 @@ def _sgd_run(general):
 )
 @pytest.mark.usefixtures("deinitialized")
 def test_o2_sgd_with_momentum_is_the_default_for_loop_sgd_bit_for_bit(one_thread):
-    ours = _sgd_run(False)
+    # make_model's biases of 8 and 2 elements go through torch's CPU scalar loop
+    options = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    ours = _stepped(make_model(), torch.optim.SGD, options, False, steps=4)
     amp.deinitialize()
-    theirs = _sgd_run(True)
-    for a, b in zip(ours, theirs, strict=True):
+    theirs = _stepped(make_model(), torch.optim.SGD, options, True, steps=4)
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
         assert torch.equal(a, b)
 
 
@@ -135,22 +123,6 @@ class _WithAComplexParameter(torch.nn.Module):
         return (self.linear(x).float() * self.phase).real
 
 
-def _complex_run(cls, options, general):
-    model = _WithAComplexParameter()
-    optimizer = cls(model.parameters(), **options)
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
-    if general:
-        optimizer.register_step_pre_hook(lambda *args: None)
-    for step in range(3):
-        optimizer.zero_grad()
-        with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-    return [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
-
-
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize(
     "cls, options",
@@ -164,9 +136,9 @@ def _complex_run(cls, options, general):
 def test_a_complex_parameter_is_stepped_as_the_optimizer_steps_it(cls, options):
     """torch's for-loop optimizers step complex parameters (as real views); its fused ops do not
     take them: the fused step must leave such a group to the optimizer's own step."""
-    ours = _complex_run(cls, options, False)
+    ours, _ = _stepped(_WithAComplexParameter(), cls, options, False)
     amp.deinitialize()
-    theirs = _complex_run(cls, options, True)
+    theirs, _ = _stepped(_WithAComplexParameter(), cls, options, True)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
 
@@ -186,24 +158,6 @@ class _WithAFloat64Parameter(torch.nn.Module):
         return self.norm(self.linear(x)).float() + self.offset.float()
 
 
-def _float64_run(cls, options, general):
-    model = _WithAFloat64Parameter()
-    optimizer = cls(model.parameters(), **options)
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
-    if general:
-        optimizer.register_step_pre_hook(lambda *args: None)
-    for step in range(3):
-        optimizer.zero_grad()
-        with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-    params = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
-    state = [t.clone() for s in optimizer.state.values() for t in s.values() if t is not None]
-    return params + state
-
-
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize(
     "cls, options",
@@ -219,10 +173,10 @@ def test_plain_parameters_of_two_dtypes_in_one_group_are_stepped_as_the_optimize
     """A plain parameter is stepped in its own dtype (the torch backend made FP32 copies of every
     gradient of a call that was not all FP32, and torch's fused op raised "expected scalar type
     Double but found Float" from the second step on)."""
-    ours = _float64_run(cls, options, False)
+    ours = _stepped(_WithAFloat64Parameter(), cls, options, False)
     amp.deinitialize()
-    theirs = _float64_run(cls, options, True)
-    for a, b in zip(ours, theirs, strict=True):
+    theirs = _stepped(_WithAFloat64Parameter(), cls, options, True)
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
