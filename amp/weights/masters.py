@@ -24,6 +24,7 @@ __all__ = [
 
 _grad = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
+_TENSOR_GRAD = torch.Tensor.grad  # the C-level attribute, under a deferring master's property
 
 
 def new_master(param):
@@ -77,10 +78,30 @@ def master_for(param):
     return table.masters[row]
 
 
+def _deferring_class(masters):
+    """The class a master wears while its gradient is deferred (one per optimizer): reading,
+    writing or deleting its `.grad` (clip_grad_norm_ over optimizer.param_groups, a gradient
+    log, a list of amp.master_params kept from earlier) makes the deferred gradients FP32
+    first, so that it sees and changes what the general path's step would use."""
+
+    def made(param):
+        if masters.deferred is not None:
+            masters.materialize()
+        return param
+
+    grad = property(
+        lambda param: _TENSOR_GRAD.__get__(made(param)),
+        lambda param, value: _TENSOR_GRAD.__set__(made(param), value),
+        lambda param: _TENSOR_GRAD.__delete__(made(param)),
+        doc=_TENSOR_GRAD.__doc__,
+    )
+    return type("DeferredGradParameter", (torch.nn.Parameter,), {"grad": grad})
+
+
 class Deferred:
     """The masters' gradients kept in low precision until the step (with the CuPy kernels): the
     fused step unscales them as it reads them; the FP32 master gradients are made only where
-    something else needs them (materialize)."""
+    something reads `.grad` (the masters wear a deferring class until then: materialize)."""
 
     __slots__ = ("models", "masters", "grads", "inv_scale", "flags", "by_master")
 
@@ -101,7 +122,7 @@ class Masters:
         self.record = record
         self.table = record.table
         self.deferred = None  # a Deferred between scale_loss's exit and the step
-        self.exposed = False  # amp.master_params() handed the masters out: nothing is deferred
+        self.deferring = _deferring_class(self)
         self.fused = FusedStep(record)
 
     def defer(self, models, masters, grads, inv_scale, found_inf, inv_used):
@@ -110,11 +131,21 @@ class Masters:
         flags = kernels.check_(grads, found_inf, inv_scale=inv_scale, inv_used=inv_used)
         used = inv_used if inv_used is not None else inv_scale
         self.deferred = Deferred(models, masters, grads, used, flags)
+        set_each(masters, "__class__", itertools.repeat(self.deferring))
+
+    def forget_deferred(self):
+        """The deferred gradients go (a step used or skipped them, zero_grad dropped them): the
+        masters are plain Parameters again."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            set_each(deferred.masters, "__class__", itertools.repeat(torch.nn.Parameter))
+        return deferred
 
     def materialize(self):
-        """The deferred gradients as FP32 master gradients (the general path, amp.master_params,
-        a next scale_loss block): unscaled as scale_loss's exit would have made them."""
-        deferred, self.deferred = self.deferred, None
+        """The deferred gradients as FP32 master gradients (the general path, a read of a
+        master's `.grad`, a next scale_loss block): unscaled as scale_loss's exit would have
+        made them."""
+        deferred = self.forget_deferred()
         fresh = list(map(torch.empty_like, deferred.masters))
         scratch = torch.zeros((), dtype=torch.float32, device=deferred.inv_scale.device)
         kernels.unscale_to_(deferred.grads, fresh, deferred.inv_scale, scratch, check=False)
@@ -150,7 +181,7 @@ class Masters:
         """The fused step wrote the masters into the model: amp marks that write as its own, and
         the gradients go (as after_step)."""
         self.table.mark()
-        self.deferred = None
+        self.forget_deferred()
         set_each(self.table.masters, "grad", _NONES)
 
     def after_step(self):
@@ -169,7 +200,7 @@ class Masters:
         set_each(table.masters, "grad", _NONES)
 
     def drop_grads(self):
-        self.deferred = None
+        self.forget_deferred()
         set_each(self.table.masters, "grad", _NONES)
 
     def master_indices(self):
@@ -195,6 +226,8 @@ class Masters:
 
     def give_back(self):
         """Undo of master creation: the optimizer steps the model's own parameters again."""
+        if self.deferred is not None:  # an FP32 model parameter takes its master's gradient
+            self.materialize()
         table = self.table
         model_of = dict(zip(map(id, table.masters), table.models))
         optimizer = self.record.optimizer

@@ -180,19 +180,13 @@ class OptimizerRecord:
         """Whether scale_loss's exit keeps this optimizer's master gradients low precision for
         the fused step (the CuPy kernels and a fused step that applies)."""
         masters = self.masters
-        return kernels.fuses(device) and not masters.exposed and masters.fused.plan() is not None
+        return kernels.fuses(device) and masters.fused.plan() is not None
 
     def expose_masters(self):
-        """amp.master_params(): the masters as the user sees them, outside writes taken in and
-        deferred gradients made FP32 (a step after that takes the general path)."""
-        masters = self.masters
-        if masters is not None:
-            # The user holds the masters now (a list kept to clip every step): from the next
-            # scale_loss on their FP32 gradients are made at its exit, not deferred to the step.
-            masters.exposed = True
-            masters.take_outside_writes()
-            if masters.deferred is not None:
-                masters.materialize()
+        """amp.master_params(): the masters as the user sees them, outside writes taken in (a
+        deferred gradient is made FP32 when something reads it: masters.Deferred)."""
+        if self.masters is not None:
+            self.masters.take_outside_writes()
 
     # -- the rest of the optimizer API --------------------------------------------------------
 
@@ -205,10 +199,10 @@ class OptimizerRecord:
     def zero_grad(self, *args, **kwargs):
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
             self.skips.poll()
+        if self.masters is not None:  # before torch's zero_grad reads (and would make) them
+            self.masters.forget_deferred()
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
-        if self.masters is not None and self.masters.deferred is not None:
-            self.masters.deferred = None
         if not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True):
             set_each(self.table.models, "grad", itertools.repeat(None))
         else:

@@ -78,12 +78,15 @@ class SkipDecision:
         for check in checks:  # the step read the device: the copies have arrived
             check.arrived(wait=True)
         masters = record.masters
+        deferred = ()
+        if masters is not None and masters.deferred is not None:  # kept low precision: their
+            deferred = tuple(map(record.param_name, masters.nonfinite_models()))  # check knows
+            masters.forget_deferred()  # before the masters' `.grad` are read (and made)
         names = distributed.nonfinite_names(
             record.plain_params() + record.table.masters, record.param_name
         )
+        names += deferred
         if masters is not None:
-            if masters.deferred is not None:  # kept low precision: their check knows
-                names += tuple(map(record.param_name, masters.nonfinite_models()))
             masters.drop_grads()
         self._learned(checks, names)
 

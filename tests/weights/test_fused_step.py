@@ -271,7 +271,8 @@ def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
 
     def look(step, model, optimizer):
         masters = [p for g in optimizer.param_groups for p in g["params"]]
-        seen.append([m.grad for m in masters[:2]])  # the first layer's masters
+        # What the masters hold, not what a read of `.grad` would make of the deferred ones.
+        seen.append([torch.Tensor.grad.__get__(m) for m in masters[:2]])
 
     model, optimizer = train(cls, options, steps=4, batch_norm=False, hook=look, width=16)
     names = [name for name, _, _ in emulated_cupy.calls]
@@ -284,6 +285,63 @@ def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
     amp.deinitialize()
     reference = state_of(*train(cls, options, steps=4, batch_norm=False, general=True, width=16))
     assert_bitwise_states(ours, reference)
+
+
+def _read_and_drop_one(seen):
+    """A hook between the exit and the step: every master's gradient read through the
+    optimizer, the first master's set to None (it is not stepped then)."""
+
+    def hook(step, model, optimizer):
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        seen.append([m.grad.clone() for m in masters])
+        masters[0].grad = None
+
+    return hook
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd-momentum"])
+def test_a_deferred_gradient_read_or_written_through_the_optimizer_is_the_fp32_one(
+    emulated_cupy, one_thread, cls, options
+):
+    """The masters' `.grad` read between the exit and the step is the FP32 unscaled gradient
+    the general path has there, and a write to it counts for the step; afterwards the masters
+    are plain Parameters again."""
+    ours_seen, theirs_seen = [], []
+    model, optimizer = train(
+        cls, options, batch_norm=False, width=16, hook=_read_and_drop_one(ours_seen)
+    )
+    assert {type(p) for g in optimizer.param_groups for p in g["params"]} == {torch.nn.Parameter}
+    ours = state_of(model, optimizer)
+    amp.deinitialize()
+    model, optimizer = train(
+        cls, options, batch_norm=False, width=16, general=True, hook=_read_and_drop_one(theirs_seen)
+    )
+    theirs = state_of(model, optimizer)
+    for a, b in zip(sum(ours_seen, []), sum(theirs_seen, []), strict=True):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    assert_bitwise_states(ours, theirs)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_zero_grad_drops_deferred_gradients_without_making_them(emulated_cupy):
+    made = []
+
+    def dropped(step, model, optimizer):
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        original = amp.kernels.unscale_to_
+        amp.kernels.unscale_to_ = lambda *args, **kwargs: (
+            made.append(1) or original(*args, **kwargs)
+        )
+        try:
+            optimizer.zero_grad()
+        finally:
+            amp.kernels.unscale_to_ = original
+        made.append([type(m) for m in masters] == [torch.nn.Parameter] * len(masters))
+        made.append([m.grad for m in masters] == [None] * len(masters))
+
+    train(torch.optim.AdamW, dict(lr=0.01), batch_norm=False, hook=dropped)
+    assert made == [True, True] * 4
 
 
 @pytest.mark.usefixtures("deinitialized")
@@ -325,3 +383,21 @@ def test_the_cupy_path_moves_the_bytes_of_one_pass_per_parameter(
         found[width] = counter.phases["after backward"].bytes
         amp.deinitialize()
     assert found[16] == found[32]
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_deinitialize_between_the_exit_and_the_step_hands_the_gradients_back(emulated_cupy):
+    """The FP32 model the undo gives back holds the unscaled gradients the general path's masters
+    held, deferred or not."""
+    found = []
+    for general in (False, True):
+        model, optimizer = train(
+            torch.optim.AdamW, dict(lr=0.01), batch_norm=False, general=general
+        )
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, 5), optimizer) as scaled:
+            scaled.backward()
+        amp.deinitialize()
+        found.append([p.grad for p in model.parameters()])
+    for ours, theirs in zip(*found, strict=True):
+        assert ours.dtype == torch.float32 and torch.equal(ours, theirs)

@@ -33,13 +33,6 @@ def _through_param_groups(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CuPy path: scale_loss's exit keeps the masters' gradients low precision "
-    "(masters.Deferred) and leaves master.grad None; only amp.master_params() materializes them. "
-    "clip_grad_norm_ over optimizer.param_groups sees no gradient (norm 0), clips nothing, and the "
-    "step uses the unclipped gradients. Not a small fix: deferral needs a hook on .grad reads.",
-)
 @pytest.mark.usefixtures("deinitialized")
 def test_clipping_the_optimizers_own_params_clips_what_the_fused_step_steps(
     emulated_cupy, one_thread
