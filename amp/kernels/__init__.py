@@ -94,18 +94,24 @@ def _by_device(*lists):
     ]
 
 
-def _flagged(name, lists, inv_scale, found_inf):
-    """Run backend function `name`(*lists, inv_scale, flag) per device, collecting every flag in
-    found_inf."""
+def _flagged(name, lists, inv_scale, found_inf, also=()):
+    """Run backend function `name`(*lists, inv_scale, flag[, also]) per device, collecting every
+    flag in found_inf; `also` (unscale_to_'s) are unscaled in place in the same call where all
+    are on the flag's device, else apart."""
     first = lists[0]
     # All on the flag's device (the common case): no Python call but the set's `len`.
-    if len({*map(_get_device, first)}) == 1 and first[0].device == found_inf.device:
+    if (
+        len({*map(_get_device, first), *map(_get_device, also)}) == 1
+        and first[0].device == found_inf.device
+    ):
         device = found_inf.device
         module = cuda_backend().module if device.type == "cuda" else _torch_backend
         if inv_scale.device != device:
             inv_scale = inv_scale.to(device, non_blocking=True)
-        getattr(module, name)(*lists, inv_scale, found_inf)
+        getattr(module, name)(*lists, inv_scale, found_inf, *((also,) if also else ()))
         return
+    if also:
+        unscale_(also, inv_scale, found_inf)
     for device, group in _by_device(*lists):
         function = getattr(_backend(device), name)
         if device == found_inf.device:
@@ -128,18 +134,21 @@ def unscale_(tensors, inv_scale, found_inf):
         _flagged("unscale_", (tensors,), inv_scale, found_inf)
 
 
-def unscale_to_(sources, destinations, inv_scale, found_inf, *, check=True):
+def unscale_to_(sources, destinations, inv_scale, found_inf, *, check=True, also=()):
     """destinations = sources * inv_scale: model gradients into FP32 master gradients.
 
     The multiply is done in float32 and rounded once into the destinations' dtype (a float32
     source beyond float16's range can land inside it). `sources` are checked for inf/NaN. Lists
     are parallel; shapes must match. check=False skips verifying that, for callers that built the
-    lists in parallel (amp, every step).
+    lists in parallel (amp, every step). `also`: tensors unscaled in place and checked as
+    unscale_ does, in the same launch where the backend can (the optimizer's plain gradients).
     """
-    if sources:
-        if check:
-            _check_parallel(sources, destinations)
-        _flagged("unscale_to_", (sources, destinations), inv_scale, found_inf)
+    if not sources:
+        unscale_(also, inv_scale, found_inf)
+        return
+    if check:
+        _check_parallel(sources, destinations)
+    _flagged("unscale_to_", (sources, destinations), inv_scale, found_inf, also)
 
 
 def unscale_add_(sources, destinations, inv_scale, found_inf, *, check=True):
@@ -225,7 +234,7 @@ def adam_step_(
     device: the gradients (any float dtype) times `inv_scale` (if given), the FP32 `masters`,
     `exp_avgs`, `exp_avg_sqs` and `steps` (float32 0-dim, torch's `state["step"]`) updated in
     place as torch.optim does, and `lows` (if given) set to the new masters rounded to their
-    dtype. Nothing changes where `found_inf` (a float32 flag) is set: the step is skipped on the
+    dtype (a None in `lows`: a parameter stepped without a low-precision copy). Nothing changes where `found_inf` (a float32 flag) is set: the step is skipped on the
     device.
 
     Numerics: each element follows torch's formula operation by operation in float32, with the

@@ -5,6 +5,9 @@ copies. Every launch goes to torch's current stream; nothing here synchronises w
 Tensors a kernel cannot take (non-contiguous, float64, ...) are handed to the torch backend.
 """
 
+import itertools
+import operator
+
 import torch
 
 from . import _cupy_device as cuda
@@ -28,6 +31,7 @@ _TYPE_NAMES = cuda.TYPE_NAMES
 _grouped, _pick = cuda.grouped, cuda.pick
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
+_NONES = itertools.repeat(None)
 
 
 def unscale_(tensors, inv_scale, found_inf):
@@ -61,7 +65,9 @@ def _pairwise(kernel, torch_fallback, sources, destinations, scale, found_inf):
         torch_fallback(_pick(sources, rest), _pick(destinations, rest))
 
 
-def unscale_to_(sources, destinations, inv_scale, found_inf):
+def unscale_to_(sources, destinations, inv_scale, found_inf, also=()):
+    if also:  # another kernel: the copy's kernel reads and writes other tensors
+        unscale_(also, inv_scale, found_inf)
     _pairwise(
         "amp_scale_copy",
         lambda src, dst: _torch_backend.unscale_to_(src, dst, inv_scale, found_inf),
@@ -196,14 +202,33 @@ def _step_groups(grads, lows, *state):
     for key, indices in groups.items():
         grad_type, low_type = key[0], key[-1] if lows is not None else None
         state_types = key[1 : len(state) + 1]
-        if all(t is torch.float32 for t in state_types) and low_type in (None, grad_type):
+        # The kernels are built for a weight of the gradient's dtype, or none with an FP32 one.
+        kernel_types = low_type is grad_type or (low_type is None and grad_type is torch.float32)
+        if all(t is torch.float32 for t in state_types) and kernel_types:
             taken[(grad_type, low_type)] = indices
         else:
             rest.extend(range(len(grads)) if indices is None else indices)
     return taken, sorted(rest)
 
 
+def _copy_split(lows):
+    """[(indices, lows)]: the rows with a low-precision copy, and those without (None in `lows`,
+    a plain parameter in a group of masters); None if `lows` has no None."""
+    if lows is None or all(map(operator.is_not, lows, _NONES)):
+        return None
+    with_copy = [i for i, low in enumerate(lows) if low is not None]
+    without = [i for i, low in enumerate(lows) if low is None]
+    return [(with_copy, _pick(lows, with_copy)), (without, None)]
+
+
 def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
+    split = _copy_split(lows)
+    if split is not None:
+        for indices, picked in split:
+            rows = [_pick(row, indices) for row in (grads, masters, exp_avgs, exp_avg_sqs, steps)]
+            if indices:
+                adam_step_(*rows, picked, inv_scale, found_inf, options)
+        return
     groups, rest = _step_groups(grads, lows, masters, exp_avgs, exp_avg_sqs, steps)
     index = masters[0].device.index
     device = cuda.gpu(index)
@@ -240,6 +265,21 @@ def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
 
 
 def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
+    split = _copy_split(lows)
+    if split is not None:
+        for indices, picked in split:
+            picked_buffers = _pick(buffers, indices) if options["momentum"] != 0 else buffers
+            if indices:
+                sgd_step_(
+                    _pick(grads, indices),
+                    _pick(masters, indices),
+                    picked_buffers,
+                    picked,
+                    inv_scale,
+                    found_inf,
+                    options,
+                )
+        return
     momentum_lists = [buffers] if options["momentum"] != 0 else []
     groups, rest = _step_groups(grads, lows, masters, *momentum_lists)
     index = masters[0].device.index

@@ -6,6 +6,7 @@ and results are bit for bit the kernels': values are read as float32, multiplied
 float32, and rounded once into the destination's dtype.
 """
 
+import itertools
 import math
 import operator
 
@@ -76,20 +77,23 @@ def _unscaled_float32(sources, inv_scale, found_inf):
     return scaled
 
 
-def unscale_to_(sources, destinations, inv_scale, found_inf):
+def unscale_to_(sources, destinations, inv_scale, found_inf, also=()):
     """destinations = sources * inv_scale: the multiply in float32, then one rounding into the
     destinations' dtype, as the kernel does (70000 * 2**-10 into float16 is 68.375, no overflow).
-    """
+    `also` are unscaled in place with the destinations (one launch per dtype)."""
     if not sources:
+        unscale_(also, inv_scale, found_inf)
         return
     if set(zip(map(_dtype, sources), map(_dtype, destinations))) <= _EXACT_COPIES:
         # The copy is exact, so unscaling the destinations in place rounds once, with no copy.
         torch._foreach_copy_(destinations, sources)
+        tensors = [*also, *destinations] if also else destinations
         if destinations[0].is_cpu:  # unscale_'s CPU case, inlined: O2 runs it every step
-            _unscale_op(destinations, found_inf, inv_scale)
+            _unscale_op(tensors, found_inf, inv_scale)
         else:
-            unscale_(destinations, inv_scale, found_inf)
+            unscale_(tensors, inv_scale, found_inf)
         return
+    unscale_(also, inv_scale, found_inf)
     torch._foreach_copy_(destinations, _unscaled_float32(sources, inv_scale, found_inf))
 
 
@@ -187,8 +191,44 @@ def _unscaled_gradients(grads, inv_scale):
     return copies
 
 
+_NONES = itertools.repeat(None)
+
+
+def _one_dtype_each(masters, *rows):
+    """[rows] with the masters of one dtype each (torch's fused ops take one), `rows` parallel
+    lists (or None); one group, the lists as given, in the usual case."""
+    dtypes = list(map(_dtype, masters))
+    if dtypes.count(dtypes[0]) == len(dtypes):
+        return ((masters, *rows),)
+    groups = {}
+    for index, dtype in enumerate(dtypes):
+        groups.setdefault(dtype, []).append(index)
+    return [
+        [None if row is None else [row[i] for i in indices] for row in (masters, *rows)]
+        for indices in groups.values()
+    ]
+
+
+def _copy_back(lows, masters):
+    """lows = masters (rounded to their dtype) where a row has one (None: a plain parameter)."""
+    if lows is None:
+        return
+    if not all(map(operator.is_not, lows, _NONES)):
+        present = list(map(operator.is_not, lows, _NONES))
+        lows = list(itertools.compress(lows, present))
+        masters = list(itertools.compress(masters, present))
+    if lows:
+        torch._foreach_copy_(lows, masters)
+
+
 def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
-    """One step of AdamW (options["decoupled"]) or Adam by torch's fused op; see kernels."""
+    """One step of AdamW (options["decoupled"]) or Adam by torch's fused op, once per dtype of
+    the masters; see kernels."""
+    for rows in _one_dtype_each(masters, grads, exp_avgs, exp_avg_sqs, steps, lows):
+        _adam_step(*rows, inv_scale, found_inf, options)
+
+
+def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
     grads = _unscaled_gradients(grads, inv_scale)
     torch._foreach_add_(steps, 1)
     step = torch._fused_adamw_ if options["decoupled"] else torch._fused_adam_
@@ -210,17 +250,22 @@ def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
     )
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
-    if lows is not None:
-        torch._foreach_copy_(lows, masters)
+    _copy_back(lows, masters)
 
 
 def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
-    """One step of SGD by torch's fused op; see kernels."""
+    """One step of SGD by torch's fused op, once per dtype of the masters; see kernels."""
+    buffers = buffers if options["momentum"] != 0 else None
+    for rows in _one_dtype_each(masters, grads, buffers, lows):
+        _sgd_step(*rows, inv_scale, found_inf, options)
+
+
+def _sgd_step(masters, grads, buffers, lows, inv_scale, found_inf, options):
     grads = _unscaled_gradients(grads, inv_scale)
     torch._fused_sgd_(
         masters,
         grads,
-        buffers if options["momentum"] != 0 else [],
+        [] if buffers is None else buffers,
         weight_decay=options["weight_decay"],
         momentum=options["momentum"],
         lr=options["lr"],
@@ -230,5 +275,4 @@ def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
         is_first_step=False,
         found_inf=found_inf,
     )
-    if lows is not None:
-        torch._foreach_copy_(lows, masters)
+    _copy_back(lows, masters)

@@ -97,9 +97,9 @@ class FusedStep:
         self.kind = False  # "adam", "sgd" or None once known (the record's methods come later)
 
     def plan(self):
-        """[(options, params, lows or None)] per parameter group and kind of row (masters with
-        their model parameters; the group's plain parameters), or None where the fused step does
-        not apply now. Constant Python calls per group."""
+        """[(options, params, models or None)] per parameter group (models: each master's model
+        parameter, None for a plain parameter; None for a group of plain parameters), or None
+        where the fused step does not apply now. Constant Python calls per group."""
         if self.kind is False:
             self.kind = _kind(self.record.optimizer, self.record.originals["step"])
         if self.kind is None:
@@ -122,21 +122,10 @@ class FusedStep:
                 return None
             params = group["params"]
             models = list(map(model_of.get, map(id, params)))
-            if all(map(operator.is_not, models, _NONES)):
-                plan.append((options, params, models))
-            elif not any(map(operator.is_not, models, _NONES)):
-                plan.append((options, params, None))
-            else:  # masters and plain parameters in one group: one call each
-                present = list(map(operator.is_not, models, _NONES))
-                plan.append(
-                    (
-                        options,
-                        list(itertools.compress(params, present)),
-                        list(itertools.compress(models, present)),
-                    )
-                )
-                plain = [p for p, model in zip(params, models) if model is None]
-                plan.append((options, plain, None))
+            # A group of masters and plain parameters (batch norm's, kept FP32) is one call.
+            plan.append(
+                (options, params, models if any(map(operator.is_not, models, _NONES)) else None)
+            )
         return plan
 
     def run(self, plan, found_inf, deferred=None):
@@ -146,22 +135,15 @@ class FusedStep:
         calls = []
         for options, params, models in plan:
             if deferred is not None and models is not None:
-                grads, inv_scale = deferred.grads_of(params), deferred.inv_scale
+                rows = _deferred_rows(params, models, deferred)
             else:
-                grads, inv_scale = list(map(_grad, params)), None
-            if not all(map(operator.is_not, grads, _NONES)):  # parameters without a gradient
-                present = list(map(operator.is_not, grads, _NONES))
-                if not any(present):
-                    continue
-                grads = list(itertools.compress(grads, present))
-                params = list(itertools.compress(params, present))
-                models = None if models is None else list(itertools.compress(models, present))
-            if any(map(_is_sparse, grads)) or any(map(torch.is_complex, params)):
-                return False  # torch's fused ops and the kernels take neither: the general path
-            state = self._state(params, options)
-            if state is None:
-                return False
-            calls.append((options, grads, params, models, state, inv_scale))
+                rows = ((params, models, list(map(_grad, params)), None),)
+            for params, models, grads, inv_scale in rows:
+                call = self._call(options, params, models, grads, inv_scale)
+                if call is False:
+                    return False
+                if call is not None:
+                    calls.append(call)
         step = kernels.adam_step_ if self.kind == "adam" else kernels.sgd_step_
         # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()
@@ -180,6 +162,23 @@ class FusedStep:
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         return True
+
+    def _call(self, options, params, models, grads, inv_scale):
+        """The arguments of one kernel call for these rows; None if none has a gradient, False
+        if the fused step cannot take them (the general path) or some state is not there yet."""
+        if not all(map(operator.is_not, grads, _NONES)):  # parameters without a gradient
+            present = list(map(operator.is_not, grads, _NONES))
+            if not any(present):
+                return None
+            grads = list(itertools.compress(grads, present))
+            params = list(itertools.compress(params, present))
+            models = None if models is None else list(itertools.compress(models, present))
+        if any(map(_is_sparse, grads)) or any(map(torch.is_complex, params)):
+            return False  # torch's fused ops and the kernels take neither: the general path
+        state = self._state(params, options)
+        if state is None:
+            return False
+        return options, grads, params, models, state, inv_scale
 
     def _state(self, params, options):
         """The state lists of `params` for the kernel, or None if a step has not made them yet."""
@@ -206,3 +205,22 @@ class FusedStep:
         for param, state in zip(params, states):
             state["step"] = state["step"].to(param.device)
         return list(map(_STEP, states))
+
+
+def _deferred_rows(params, models, deferred):
+    """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are deferred
+    (low precision, still scaled): the masters' rows, and the plain parameters' apart."""
+    if all(map(operator.is_not, models, _NONES)):
+        return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
+    present = list(map(operator.is_not, models, _NONES))
+    masters = list(itertools.compress(params, present))
+    plain = [param for param, model in zip(params, models) if model is None]
+    return (
+        (
+            masters,
+            list(itertools.compress(models, present)),
+            deferred.grads_of(masters),
+            deferred.inv_scale,
+        ),
+        (plain, None, list(map(_grad, plain)), None),
+    )

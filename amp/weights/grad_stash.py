@@ -201,6 +201,7 @@ class GradientStash:
         inv_scale = frame.inv
         params = record.plain_params()
         grads = [*filter(_not_none, map(_grad, params))] if params else ()
+        views = ()
         if grads and not frame.identity:
             views = grads
             # C-level checks per gradient (a generator costs a Python frame per parameter).
@@ -208,49 +209,54 @@ class GradientStash:
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
             if record.sharded:
                 views = distributed.local_tensors(views)
+        handed = [] if into_masters or not params else _take(params)  # unscaled in place below
+        if record.masters is None:
             kernels.unscale_(views, inv_scale, found_inf)
-        handed = [] if into_masters or not params else _take(params)
-        if record.masters is not None:
-            _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, handed)
+        else:  # with the model gradients, in one launch where it can
+            _unscale_model_grads(
+                record, inv_scale, found_inf, inv_used, into_masters, handed, views
+            )
         return handed
 
 
-def _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, handed):
+def _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, handed, plain):
     """O2: the model gradients, unscaled and checked, into FP32 gradients: the master gradients
     (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. The
     model's gradients are dropped. With the CuPy kernels and a fused step to come they are only
-    checked and kept low precision for it (masters.Deferred)."""
+    checked and kept low precision for it (masters.Deferred). The `plain` gradients are unscaled
+    in place and checked, with the new master gradients where those are made."""
     models, masters = record.table.models, record.table.masters
     grads = list(map(_grad, models))
     # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
     present = list(map(operator.is_not, grads, _NONES))
     if not all(present):
         if not any(present):
+            kernels.unscale_(plain, inv_scale, found_inf)
             return
         models = list(itertools.compress(models, present))  # parameters that had no gradient
         masters = list(itertools.compress(masters, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
     set_each(models, "grad", _NONES)
-    if any(map(_is_sparse, grads)):
-        _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
-        return
     master_grads = list(map(_grad, masters)) if into_masters else [None]
-    if all(map(operator.is_, master_grads, _NONES)):
-        adding = False
-    elif any(map(operator.is_, master_grads, _NONES)) or any(map(_is_sparse, master_grads)):
-        _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
+    fresh_ones = all(map(operator.is_, master_grads, _NONES))
+    if not fresh_ones or any(map(_is_sparse, grads)):
+        kernels.unscale_(plain, inv_scale, found_inf)
+        if (
+            any(map(_is_sparse, grads))
+            or any(map(operator.is_, master_grads, _NONES))  # some master gradients only
+            or any(map(_is_sparse, master_grads))
+        ):
+            _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
+        else:  # into the master gradients there, one launch per dtype group
+            kernels.unscale_add_(grads, master_grads, inv_scale, found_inf, check=False)
         return
-    else:
-        adding = True
-    if into_masters and not adding and record.defers(grads[0].device):
+    if into_masters and record.defers(grads[0].device):
+        kernels.unscale_(plain, inv_scale, found_inf)
         record.masters.defer(models, masters, grads, inv_scale, found_inf, inv_used)
         return
     # One launch per dtype group (per launch-sized run of tensors with the CuPy kernels).
-    if adding:
-        kernels.unscale_add_(grads, master_grads, inv_scale, found_inf, check=False)
-        return
     fresh = list(map(torch.empty_like, masters))
-    kernels.unscale_to_(grads, fresh, inv_scale, found_inf, check=False)
+    kernels.unscale_to_(grads, fresh, inv_scale, found_inf, check=False, also=plain)
     if into_masters:
         set_each(masters, "grad", fresh)
     else:

@@ -68,7 +68,10 @@ def adam_state(sizes, low_dtype, seed=0):
 
 
 def copied(state):
-    return {key: [t.clone() for t in value] for key, value in state.items()}
+    return {
+        key: None if value is None else [t if t is None else t.clone() for t in value]
+        for key, value in state.items()
+    }
 
 
 ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
@@ -123,7 +126,7 @@ def run_sgd(module, state, options, found=0.0):
 
 def assert_same_bits(a, b):
     for key in a:
-        for x, y in zip(a[key], b[key], strict=True):
+        for x, y in zip(a[key] or (), b[key] or (), strict=True):
             assert torch.equal(bits(x), bits(y)), key
 
 
@@ -164,6 +167,37 @@ def test_sizes_that_leave_torchs_scalar_loop_work_are_within_an_ulp(kernel):
     adam, sgd = adam_state(ODD_SIZES, torch.bfloat16), sgd_state(ODD_SIZES, torch.bfloat16)
     assert_within_an_ulp(run_adam(kernel, adam, True), run_adam(_torch_backend, adam, True))
     assert_within_an_ulp(run_sgd(kernel, sgd, SGD[1]), run_sgd(_torch_backend, sgd, SGD[1]))
+
+
+@emulated
+@pytest.mark.parametrize("module", ["kernel", "torch"])
+def test_a_row_without_a_low_precision_copy_is_stepped_as_the_others(kernel, one_thread, module):
+    """A None in `lows` (a plain FP32 parameter in a group of masters): its master and state are
+    stepped as with a copy, and the other rows' copies written."""
+    module = kernel if module == "kernel" else _torch_backend
+    adam, sgd = adam_state(SIZES, torch.bfloat16), sgd_state(SIZES, torch.bfloat16)
+    for state, run in (
+        (adam, lambda s: run_adam(module, s, True)),
+        (sgd, lambda s: run_sgd(module, s, SGD[0])),
+    ):
+        state["grads"][1] = state["grads"][1].float()  # a plain FP32 parameter's gradient
+        whole = run(state)
+        state["lows"][1] = None
+        without = run(state)
+        assert without["lows"][1] is None
+        whole["lows"][1] = None
+        for key in whole:
+            for x, y in zip(whole[key], without[key], strict=True):
+                assert (x is None and y is None) or torch.equal(bits(x), bits(y)), key
+
+
+@emulated
+def test_rows_no_kernel_is_built_for_go_to_the_torch_backend(kernel, one_thread):
+    """A low-precision gradient of an FP32 parameter stepped without a copy (no such kernel)."""
+    state = adam_state(SIZES, torch.bfloat16)
+    state["lows"] = None
+    assert_same_bits(run_adam(kernel, state, True), run_adam(_torch_backend, state, True))
+    assert kernel.launched() == []
 
 
 @emulated

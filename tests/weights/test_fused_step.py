@@ -102,11 +102,11 @@ def test_the_fused_step_is_the_optimizers_own_step_bit_for_bit(cls, options, fus
         fused = state_of(*train(cls, options))
     finally:
         amp.deinitialize()
-    # The first step is the optimizer's own (it makes the state); the other three are fused.
-    # Two calls a step: the masters, and the batch norm's plain FP32 parameters. The first step
-    # is the optimizer's own where it makes the state (all but SGD without momentum).
+    # The first step is the optimizer's own where it makes the state (all but SGD without
+    # momentum); the others are fused, one call a step for the masters and the batch norm's
+    # plain FP32 parameters of the one group.
     stateless = cls is torch.optim.SGD and not options.get("momentum")
-    assert len(fused_calls) == (4 if stateless else 3) * 2
+    assert len(fused_calls) == (4 if stateless else 3)
     fused_calls.clear()
     general = state_of(*train(cls, options, general=True))
     assert fused_calls == []
@@ -137,7 +137,7 @@ def test_clipping_through_master_params_is_stepped_from(fused_calls):
             torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1e-3)
 
     model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), steps=4, hook=clip)
-    assert len(fused_calls) == 3 * 2  # the clipped FP32 master gradients are stepped from
+    assert len(fused_calls) == 3  # the clipped FP32 master gradients are stepped from
     clipped = state_of(model, optimizer)
     amp.deinitialize()
     reference = state_of(*train(torch.optim.AdamW, dict(lr=0.01), steps=4, hook=clip, general=True))
@@ -152,7 +152,7 @@ def test_hyperparameters_are_read_at_every_step_and_groups_added_later_step_too(
             group["weight_decay"] = 0.05 * step
 
     model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), hook=schedule)
-    assert len(fused_calls) == 6
+    assert len(fused_calls) == 3
     scheduled = state_of(model, optimizer)
     amp.deinitialize()
     reference = state_of(*train(torch.optim.AdamW, dict(lr=0.01), hook=schedule, general=True))
@@ -261,12 +261,14 @@ def test_a_skip_learned_later_is_reported_when_it_arrives_or_is_asked_for(copies
 
 
 @pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["masters", "masters-and-plain"])
 @pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[1]], ids=["adamw", "sgd-nesterov"])
 def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
-    emulated_cupy, one_thread, cls, options
+    emulated_cupy, one_thread, cls, options, batch_norm
 ):
     """Bit for bit the torch backend's steps where torch's CPU op has no scalar loop (one
-    thread, sizes of whole vectors: tests/kernels/test_fused_step.py)."""
+    thread, sizes of whole vectors: tests/kernels/test_fused_step.py). A group holding the batch
+    norm's plain FP32 parameters too steps them from their own (FP32, unscaled) gradients."""
     seen = []
 
     def look(step, model, optimizer):
@@ -274,7 +276,7 @@ def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
         # What the masters hold, not what a read of `.grad` would make of the deferred ones.
         seen.append([torch.Tensor.grad.__get__(m) for m in masters[:2]])
 
-    model, optimizer = train(cls, options, steps=4, batch_norm=False, hook=look, width=16)
+    model, optimizer = train(cls, options, steps=4, batch_norm=batch_norm, hook=look, width=16)
     names = [name for name, _, _ in emulated_cupy.calls]
     assert seen[3] == [None, None]  # no FP32 master gradient made
     assert "amp_check<__nv_bfloat16>" in names
@@ -283,7 +285,9 @@ def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
     )
     ours = state_of(model, optimizer)
     amp.deinitialize()
-    reference = state_of(*train(cls, options, steps=4, batch_norm=False, general=True, width=16))
+    reference = state_of(
+        *train(cls, options, steps=4, batch_norm=batch_norm, general=True, width=16)
+    )
     assert_bitwise_states(ours, reference)
 
 
@@ -300,22 +304,28 @@ def _read_and_drop_one(seen):
 
 
 @pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["masters", "masters-and-plain"])
 @pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd-momentum"])
 def test_a_deferred_gradient_read_or_written_through_the_optimizer_is_the_fp32_one(
-    emulated_cupy, one_thread, cls, options
+    emulated_cupy, one_thread, cls, options, batch_norm
 ):
     """The masters' `.grad` read between the exit and the step is the FP32 unscaled gradient
     the general path has there, and a write to it counts for the step; afterwards the masters
     are plain Parameters again."""
     ours_seen, theirs_seen = [], []
     model, optimizer = train(
-        cls, options, batch_norm=False, width=16, hook=_read_and_drop_one(ours_seen)
+        cls, options, batch_norm=batch_norm, width=16, hook=_read_and_drop_one(ours_seen)
     )
     assert {type(p) for g in optimizer.param_groups for p in g["params"]} == {torch.nn.Parameter}
     ours = state_of(model, optimizer)
     amp.deinitialize()
     model, optimizer = train(
-        cls, options, batch_norm=False, width=16, general=True, hook=_read_and_drop_one(theirs_seen)
+        cls,
+        options,
+        batch_norm=batch_norm,
+        width=16,
+        general=True,
+        hook=_read_and_drop_one(theirs_seen),
     )
     theirs = state_of(model, optimizer)
     for a, b in zip(sum(ours_seen, []), sum(theirs_seen, []), strict=True):
