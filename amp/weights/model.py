@@ -21,6 +21,7 @@ from .shadows import (
     ModelShadows,
     Shadow,
     SyncBeforeForward,
+    held_exactly,
 )
 
 __all__ = [
@@ -126,7 +127,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
                 model_shadows.buffers.setdefault(module, {})[name] = Shadow(
-                    module, name, False, buffer
+                    module, name, False, buffer, exact=held_exactly(buffer, dtype)
                 )
 
     def undo():
@@ -142,7 +143,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
                 for shadow in by_name.values():
                     current = shadow.current()
                     if current is not None and current.dtype in LOW_PRECISION:
-                        shadow.module._buffers[shadow.name] = shadow.fp32
+                        shadow.module._buffers[shadow.name] = shadow.full()
         _flatten_rnns(model)
 
     ledger.add_undo(f"FP32 weights back into {type(model).__name__}", undo)
@@ -154,6 +155,10 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
         for module, by_name in model_shadows.buffers.items():
             for name, shadow in by_name.items():
                 module._buffers[name] = shadow.fp32.to(dtype)
+        for by_name in model_shadows.buffers.values():  # after every cast: a buffer may be shared
+            for shadow in by_name.values():
+                if shadow.exact:  # held once, in low precision (shadows.py)
+                    shadow.fp32.data = torch.empty(0, device=shadow.fp32.device)
     for param in params:
         table, row = model_shadows.row(param)
         if table is not None:

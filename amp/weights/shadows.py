@@ -2,7 +2,10 @@
 
 At O2 every cast parameter has an FP32 copy in a table (amp/weights/table.py): its master when an
 optimizer steps it, an FP32 copy in the table of frozen parameters when none does. At O2/O3 every
-cast floating buffer keeps its FP32 original as its shadow here. O3 keeps no FP32 copy of its
+cast floating buffer keeps its FP32 original as its shadow here; one whose values the low
+precision holds exactly (a causal mask of 0 and -inf, integer positions) keeps the original's
+object only, its memory released, until a state dict or a load needs the FP32 values apart
+(`Shadow.exact`), so that O2 holds such a buffer once, in low precision. O3 keeps no FP32 copy of its
 parameters: `state_dict()` makes a transient shadow, which lives until the next forward has taken
 what was written into it. `model.state_dict()` returns the FP32 tensors themselves, so that code
 which updates a model in place through its state dict (timm's ModelEmaV2/V3 on a `copy.deepcopy`
@@ -25,6 +28,7 @@ import torch
 from ..casting.casts import LOW_PRECISION
 
 __all__ = [
+    "held_exactly",
     "Shadow",
     "ModelShadows",
     "SyncBeforeForward",
@@ -40,12 +44,15 @@ class Shadow:
     """One low-precision buffer (or, at O3, a parameter a state dict handed out) of `module`
     under `name`, and its FP32 copy."""
 
-    def __init__(self, module, name, is_param, fp32, transient=False):
+    def __init__(self, module, name, is_param, fp32, transient=False, exact=False):
         self.module = module
         self.name = name
         self.is_param = is_param
         self.fp32 = fp32
         self.transient = transient  # made by a state dict at O3; dropped at the next forward
+        # The low-precision tensor holds the FP32 values exactly: `fp32` is the original object
+        # with its memory released, filled again (full) when the values are needed apart.
+        self.exact = exact
         self.low = None  # the low-precision tensor last synced
         self.low_version = self.fp32_version = None
         self.low_data = None  # where the low-precision tensor's data was (`param.data = ...`)
@@ -82,6 +89,16 @@ class Shadow:
         self.low_data = None if self.low is None else _DATA(self.low)
         self.fp32_version = self.fp32._version
 
+    def full(self):
+        """The FP32 tensor, its values made from the low-precision tensor if it held them."""
+        if self.exact:
+            low = self.current()
+            if low is not None:
+                self.fp32.data = low.detach().float()  # the original object: its identity kept
+            self.exact = False
+            self.mark()
+        return self.fp32
+
     def push(self):
         """Copy a write into the FP32 side (through a state dict) to the low-precision tensor."""
         if self.fp32._version != self.fp32_version:
@@ -92,6 +109,9 @@ class Shadow:
         low = self.current()
         if low is None or low.dtype not in LOW_PRECISION:
             return  # removed, or replaced by an FP32 tensor: nothing to shadow
+        if self.exact:  # the FP32 values are the low-precision tensor's, whatever was written
+            self.mark()
+            return
         with torch.no_grad():
             if low is not self.low or low.shape != self.fp32.shape:
                 self.fp32 = low.detach().float()  # a new tensor was assigned: it is the value
@@ -185,7 +205,7 @@ class FP32StateDict:
                         state_dict[owner_prefix + name] = value.float()  # made after initialize
                         continue
                     shadow.sync()
-                    state_dict[owner_prefix + name] = shadow.fp32.detach()
+                    state_dict[owner_prefix + name] = shadow.full().detach()
                     shadows.lent = True
 
     def _param_value(self, owner, name, param):
@@ -228,7 +248,26 @@ class LoadIntoShadows:
                         _load(table.masters[row], state_dict.get(owner_prefix + name))
                 for name, shadow in shadows.buffers.get(owner, {}).items():
                     shadow.sync()
-                    _load(shadow.fp32, state_dict.get(owner_prefix + name))
+                    value = state_dict.get(owner_prefix + name)
+                    if not (shadow.exact and _held_exactly(value, shadow.current())):
+                        _load(shadow.full(), value)
+
+
+def held_exactly(fp32, dtype):
+    """Whether `dtype` holds every value of the FP32 tensor `fp32` bit for bit."""
+    bits = torch.int32
+    return torch.equal(fp32.to(dtype).float().view(bits), fp32.detach().view(bits))
+
+
+def _held_exactly(value, low):
+    """Whether the model's own load of `value` into the low-precision `low` keeps every bit."""
+    return (
+        isinstance(value, torch.Tensor)
+        and low is not None
+        and value.shape == low.shape
+        and value.dtype is torch.float32
+        and held_exactly(value, low.dtype)
+    )
 
 
 def _load(fp32, value):

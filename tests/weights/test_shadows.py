@@ -278,3 +278,83 @@ def test_a_copy_of_the_model_takes_a_pending_write_over_as_the_original_does(how
     assert torch.equal(twin.w, model.w)
     assert torch.equal(twin.state_dict()["w"], model.state_dict()["w"])
     assert torch.equal(twin.state_dict()["w"].half(), twin.w.detach())
+
+
+class _Masked(torch.nn.Module):
+    """A Linear and two FP32 buffers: a causal mask (0 and -inf, exact in low precision) and a
+    table of thirds (not exact)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+        self.register_buffer("thirds", torch.arange(4.0) / 3)
+
+    def forward(self, x):
+        return self.linear(x) + self.mask.nan_to_num(-1.0).sum(0) + self.thirds
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_a_buffer_held_exactly_in_low_precision_is_held_once(opt_level):
+    """O2/O3 release the FP32 original of a buffer whose values the low precision holds bit for
+    bit; the state dict and deinitialize give its FP32 values back (the original object), and a
+    buffer that is not exact keeps its FP32 copy."""
+    model = _Masked()
+    mask, thirds = model.mask, model.thirds
+    originals = {"mask": mask.clone(), "thirds": thirds.clone()}
+    model = amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    assert model.mask.dtype is torch.bfloat16
+    assert mask.untyped_storage().nbytes() == 0 and thirds.untyped_storage().nbytes() > 0
+    state = model.state_dict()
+    for name, value in originals.items():
+        assert state[name].dtype is torch.float32 and torch.equal(state[name], value)
+    amp.deinitialize()
+    assert model.mask is mask and model.thirds is thirds
+    for name, value in originals.items():
+        assert torch.equal(getattr(model, name), value)
+
+
+@pytest.mark.parametrize("loaded", [1 / 3, 0.5], ids=["inexact", "exact"])
+def test_a_write_into_an_exact_buffer_or_a_load_into_it_keeps_the_fp32_values(loaded):
+    models = [_Masked(), _Masked()]
+    original = models[1].mask
+    models = amp.initialize(models, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    models[0].mask.fill_(2.0)  # the model writes its low-precision buffer
+    assert torch.equal(models[0].state_dict()["mask"], torch.full((4, 4), 2.0))
+    state = {**_Masked().state_dict(), "mask": torch.full((4, 4), loaded)}
+    models[1].load_state_dict(state)
+    # Values the low precision holds need no FP32 copy; others are kept in the original.
+    assert (original.untyped_storage().nbytes() == 0) == (loaded == 0.5)
+    assert torch.equal(models[1].state_dict()["mask"], state["mask"])
+    amp.deinitialize()
+    assert torch.equal(models[0].mask, torch.full((4, 4), 2.0))
+    assert torch.equal(models[1].mask, state["mask"])
+
+
+def test_a_buffer_two_modules_share_comes_back_shared_with_its_values():
+    shared = torch.zeros(3)
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    first.register_buffer("offset", shared)
+    second.register_buffer("offset", shared)
+    model = torch.nn.Sequential(first, second)
+    model = amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert torch.equal(model[1].offset, torch.zeros(3, dtype=torch.bfloat16))
+    amp.deinitialize()
+    assert model[0].offset is shared and model[1].offset is shared
+    assert torch.equal(shared, torch.zeros(3))
+
+
+def test_a_copy_of_a_model_with_an_exact_buffer_gives_its_fp32_values():
+    model = amp.initialize(_Masked(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    expected = _Masked().mask
+    for copied in (copy.deepcopy(model), _pickled(model)):
+        assert torch.equal(copied.state_dict()["mask"], expected)
+
+
+def _pickled(model):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
