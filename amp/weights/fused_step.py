@@ -95,6 +95,9 @@ class FusedStep:
     def __init__(self, record):
         self.record = record
         self.kind = False  # "adam", "sgd" or None once known (the record's methods come later)
+        # id(group's params) -> (their ids, masters, models, plain): lists the kernels' launch
+        # plans are kept for (amp.kernels' CuPy backend keys them by identity), step to step.
+        self._splits = {}
 
     def plan(self):
         """[(options, params, models or None)] per parameter group (models: each master's model
@@ -135,7 +138,7 @@ class FusedStep:
         calls = []
         for options, params, models in plan:
             if deferred is not None and models is not None:
-                rows = _deferred_rows(params, models, deferred)
+                rows = self._deferred_rows(params, models, deferred)
             else:
                 rows = ((params, models, list(map(_grad, params)), None),)
             for params, models, grads, inv_scale in rows:
@@ -180,6 +183,28 @@ class FusedStep:
             return False
         return options, grads, params, models, state, inv_scale
 
+    def _deferred_rows(self, params, models, deferred):
+        """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are
+        deferred (low precision, still scaled): the masters' rows, and the plain parameters'
+        apart, in lists kept while the group holds the same parameters."""
+        if all(map(operator.is_not, models, _NONES)):
+            return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
+        ids = tuple(map(id, params))
+        split = self._splits.get(id(params))
+        if split is None or split[0] != ids:
+            present = list(map(operator.is_not, models, _NONES))
+            split = self._splits[id(params)] = (
+                ids,
+                list(itertools.compress(params, present)),
+                list(itertools.compress(models, present)),
+                [param for param, model in zip(params, models) if model is None],
+            )
+        _, masters, master_models, plain = split
+        return (
+            (masters, master_models, deferred.grads_of(masters), deferred.inv_scale),
+            (plain, None, list(map(_grad, plain)), None),
+        )
+
     def _state(self, params, options):
         """The state lists of `params` for the kernel, or None if a step has not made them yet."""
         if self.kind == "sgd" and options["momentum"] == 0:
@@ -205,22 +230,3 @@ class FusedStep:
         for param, state in zip(params, states):
             state["step"] = state["step"].to(param.device)
         return list(map(_STEP, states))
-
-
-def _deferred_rows(params, models, deferred):
-    """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are deferred
-    (low precision, still scaled): the masters' rows, and the plain parameters' apart."""
-    if all(map(operator.is_not, models, _NONES)):
-        return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
-    present = list(map(operator.is_not, models, _NONES))
-    masters = list(itertools.compress(params, present))
-    plain = [param for param, model in zip(params, models) if model is None]
-    return (
-        (
-            masters,
-            list(itertools.compress(models, present)),
-            deferred.grads_of(masters),
-            deferred.inv_scale,
-        ),
-        (plain, None, list(map(_grad, plain)), None),
-    )

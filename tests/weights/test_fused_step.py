@@ -411,3 +411,53 @@ def test_deinitialize_between_the_exit_and_the_step_hands_the_gradients_back(emu
         found.append([p.grad for p in model.parameters()])
     for ours, theirs in zip(*found, strict=True):
         assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_the_cupy_path_packs_its_step_launches_once_for_masters_and_plain_parameters(
+    emulated_cupy, monkeypatch
+):
+    """The step kernels' launch plans (kept per list by amp.kernels' CuPy backend) are reused
+    from step to step when a group holds masters and batch norm's plain parameters: packed at
+    the first fused step only (the second; the first is the optimizer's own)."""
+    from amp.kernels import _cupy_device
+
+    packed = []
+    original = _cupy_device._layout.plan
+
+    def plan(*args, **kwargs):
+        packed.append(len(marks))
+        return original(*args, **kwargs)
+
+    def step_planned(*args, _planned=_cupy_device.planned):
+        with monkeypatch.context() as patch:
+            patch.setattr(_cupy_device._layout, "plan", plan)
+            return _planned(*args)
+
+    monkeypatch.setattr(_cupy_device, "planned", step_planned)
+    marks = []
+    train(
+        torch.optim.AdamW, dict(lr=0.01), steps=5, batch_norm=True, hook=lambda *a: marks.append(1)
+    )
+    assert packed == [2, 2]  # the masters' call and the plain parameters' one, at step 2
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd-momentum"])
+def test_the_cupy_path_unscales_by_the_scale_the_loss_had_when_the_scale_grows(
+    emulated_cupy, one_thread, cls, options
+):
+    """The exit's update doubles the live scale before the step reads the deferred gradients:
+    they are unscaled by the one their loss was scaled with (a copy the check keeps)."""
+    from amp._state import amp_state
+
+    def grow_every_step(step, model, optimizer):
+        if step == 0:
+            amp_state.loss_scalers[0].growth_interval = 1
+
+    model, optimizer = train(cls, options, batch_norm=True, width=16, inside=grow_every_step)
+    assert amp_state.loss_scalers[0].loss_scale() == 2.0**16 * 2**4
+    ours = state_of(model, optimizer)
+    amp.deinitialize()
+    reference = train(cls, options, batch_norm=True, width=16, inside=grow_every_step, general=True)
+    assert_bitwise_states(ours, state_of(*reference))
