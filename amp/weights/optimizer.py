@@ -199,11 +199,16 @@ class OptimizerRecord:
     def zero_grad(self, *args, **kwargs):
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
             self.skips.poll()
-        if self.masters is not None:  # before torch's zero_grad reads (and would make) them
-            self.masters.forget_deferred()
+        to_none = not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True)
+        masters = self.masters
+        if masters is not None and masters.deferred is not None:
+            if to_none:  # before torch's zero_grad reads (and would make) them
+                masters.forget_deferred()
+            else:  # zeroed FP32 gradients, which a step then steps with, as on the general path
+                masters.materialize()
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
-        if not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True):
+        if to_none:
             set_each(self.table.models, "grad", itertools.repeat(None))
         else:
             for model_param in self.table.models:

@@ -461,3 +461,21 @@ def test_the_cupy_path_unscales_by_the_scale_the_loss_had_when_the_scale_grows(
     amp.deinitialize()
     reference = train(cls, options, batch_norm=True, width=16, inside=grow_every_step, general=True)
     assert_bitwise_states(ours, state_of(*reference))
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_the_exit_and_the_step_is_the_general_paths(
+    emulated_cupy, one_thread, set_to_none
+):
+    """Zeroed (not dropped) gradients are stepped with, as the general path's FP32 ones are."""
+
+    def zero(step, model, optimizer):
+        if step == 2:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    options = dict(lr=0.01, weight_decay=0.1)
+    ours = state_of(*train(torch.optim.AdamW, options, hook=zero, width=16))
+    amp.deinitialize()
+    theirs = state_of(*train(torch.optim.AdamW, options, hook=zero, width=16, general=True))
+    assert_bitwise_states(ours, theirs)
