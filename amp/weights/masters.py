@@ -95,7 +95,19 @@ def _deferring_class(masters):
         lambda param: _TENSOR_GRAD.__delete__(made(param)),
         doc=_TENSOR_GRAD.__doc__,
     )
-    return type("DeferredGradParameter", (torch.nn.Parameter,), {"grad": grad})
+    return type(
+        "DeferredGradParameter",
+        (torch.nn.Parameter,),
+        {"grad": grad, "__deepcopy__": _plain_deepcopy},
+    )
+
+
+def _plain_deepcopy(param, memo):
+    """A copy of a master made while its gradient is deferred is a plain Parameter (the class
+    belongs to this optimizer's deferral, not to the copy)."""
+    copied = torch.nn.Parameter.__deepcopy__(param, memo)
+    copied.__class__ = torch.nn.Parameter
+    return copied
 
 
 class Deferred:

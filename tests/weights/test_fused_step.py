@@ -479,3 +479,20 @@ def test_zero_grad_between_the_exit_and_the_step_is_the_general_paths(
     amp.deinitialize()
     theirs = state_of(*train(torch.optim.AdamW, options, hook=zero, width=16, general=True))
     assert_bitwise_states(ours, theirs)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_a_copy_of_the_optimizer_between_the_exit_and_the_step_holds_plain_parameters(
+    emulated_cupy,
+):
+    import copy
+
+    copies = []
+    train(
+        torch.optim.AdamW,
+        dict(lr=0.01),
+        batch_norm=False,
+        hook=lambda step, model, optimizer: copies.append(copy.deepcopy(optimizer)),
+    )
+    params = [p for group in copies[-1].param_groups for p in group["params"]]
+    assert {type(p) for p in params} == {torch.nn.Parameter}
