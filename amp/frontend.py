@@ -251,7 +251,7 @@ def initialize(
         amp_state.verbosity = verbosity
         _log_properties(base, properties)
         amp_state.fp32_modules = kept_fp32
-        _apply(properties, model_list, optimizer_list, cast_model_outputs, ledger)
+        cast = _apply(properties, model_list, optimizer_list, cast_model_outputs, ledger)
         fp32_modules_module.install(model_list, properties.cast_model_type or None, ledger)
         amp_state.loss_scalers = [
             LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
@@ -261,6 +261,8 @@ def initialize(
     except BaseException:
         _roll_back(ledger, snapshot, patches_installed)
         raise
+    del snapshot  # it holds the FP32 buffers: released only once nothing else does
+    model_module.release_exact(cast)
     amp_state.initialized = True
     amp_state.enabled = True
     amp_state.properties = properties
@@ -304,10 +306,11 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     ]
     if with_masters:
         engines.follow_ddp_broadcast(ledger)
+    cast = []  # the ModelShadows of the cast models
     for model in models:
         if cast_dtype is not None and cast_dtype is not torch.float32:
             keep_fp32 = bool(properties.master_weights)
-            model_module.cast_model(model, cast_dtype, keep_bn, keep_fp32, ledger)
+            cast.append(model_module.cast_model(model, cast_dtype, keep_bn, keep_fp32, ledger))
         if cast_dtype is not None or cast_model_outputs is not None:
             model_module.cast_forward(
                 model, cast_dtype, cast_model_outputs or torch.float32, ledger
@@ -325,6 +328,7 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
         dtype = properties.dtype if properties.patch_torch_functions else None
         amp_state.default_policy = policy_for(dtype, dtype, float8=float8)
         ledger.add_undo("O1 policy", lambda: setattr(amp_state, "default_policy", None))
+    return cast
 
 
 def deinitialize() -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "check_hookable",
     "parameters_to_cast",
     "cast_model",
+    "release_exact",
     "CastInputs",
     "CastOutputs",
     "cast_forward",
@@ -112,8 +113,9 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     Parameters keep their identity (their `.data` is swapped). Each cast parameter keeps its FP32
     value when `keep_fp32_params` (O2): its master if an optimizer steps it, else an FP32 copy in
     the table of frozen parameters (masters.frozen_table), so that frozen parameters keep their
-    FP32 values too. Each cast buffer keeps its FP32 original as its shadow (shadows.py). Undo
-    puts the FP32 values back (O3 parameters, which have none, come back upcast).
+    FP32 values too. Each cast buffer keeps its FP32 original as its shadow (shadows.py;
+    release_exact releases the exact ones once initialize succeeded). Undo puts the FP32 values
+    back (O3 parameters, which have none, come back upcast). Returns the model's ModelShadows.
     """
     params = parameters_to_cast(model, keep_batchnorm_fp32)
     model_shadows = ModelShadows(amp_state.tables)
@@ -123,12 +125,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             if master_row(param)[0] is None:
                 frozen = frozen or frozen_table()
                 frozen.add_master(param, new_master(param))
-    for module in _modules_to_cast(model, keep_batchnorm_fp32):
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.dtype is torch.float32:
-                model_shadows.buffers.setdefault(module, {})[name] = Shadow(
-                    module, name, False, buffer, exact=held_exactly(buffer, dtype)
-                )
+    _shadow_buffers(model, model_shadows, keep_batchnorm_fp32, dtype)
 
     def undo():
         model_shadows.sync()
@@ -155,10 +152,6 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
         for module, by_name in model_shadows.buffers.items():
             for name, shadow in by_name.items():
                 module._buffers[name] = shadow.fp32.to(dtype)
-        for by_name in model_shadows.buffers.values():  # after every cast: a buffer may be shared
-            for shadow in by_name.values():
-                if shadow.exact:  # held once, in low precision (shadows.py)
-                    shadow.fp32.data = torch.empty(0, device=shadow.fp32.device)
     for param in params:
         table, row = model_shadows.row(param)
         if table is not None:
@@ -168,6 +161,27 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             shadow.mark()
     _flatten_rnns(model)
     _register_state_dict_hooks(model, model_shadows, ledger)
+    return model_shadows
+
+
+def _shadow_buffers(model, model_shadows, keep_batchnorm_fp32, dtype):
+    """A Shadow for each FP32 buffer to cast."""
+    for module in _modules_to_cast(model, keep_batchnorm_fp32):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.dtype is torch.float32:
+                model_shadows.buffers.setdefault(module, {})[name] = Shadow(
+                    module, name, False, buffer, exact=held_exactly(buffer, dtype)
+                )
+
+
+def release_exact(cast):
+    """Buffers the low precision holds exactly are held once, in it (Shadow.release): called
+    with the ModelShadows of every cast model once initialize has succeeded (its snapshot, which
+    holds the buffers to put back on a failure, gone; a buffer may be shared between models)."""
+    for model_shadows in cast:
+        for by_name in model_shadows.buffers.values():
+            for shadow in by_name.values():
+                shadow.release()
 
 
 def _flatten_rnns(model):

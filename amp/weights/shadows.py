@@ -23,6 +23,9 @@ The hooks hold everything they read (picklable module-level classes), so a deepc
 of the model carries its own FP32 values along.
 """
 
+import sys
+import types
+
 import torch
 
 from ..casting.casts import LOW_PRECISION
@@ -89,6 +92,16 @@ class Shadow:
         self.low_data = None if self.low is None else _DATA(self.low)
         self.fp32_version = self.fp32._version
 
+    def release(self):
+        """Release the FP32 original of an exact shadow where nothing else holds it or its memory
+        (a module kept FP32, another model, an alias, a view would see it empty); else it stays
+        as it is, and the shadow an ordinary one."""
+        if self.exact:
+            if self.fp32._base is None and _references(self) == _ALONE:
+                self.fp32.data = torch.empty(0, device=self.fp32.device)
+            else:
+                self.exact = False
+
     def full(self):
         """The FP32 tensor, its values made from the low-precision tensor if it held them."""
         if self.exact:
@@ -110,6 +123,8 @@ class Shadow:
         if low is None or low.dtype not in LOW_PRECISION:
             return  # removed, or replaced by an FP32 tensor: nothing to shadow
         if self.exact:  # the FP32 values are the low-precision tensor's, whatever was written
+            if low is not self.low:  # a new tensor was assigned: it is the value (a new object)
+                self.fp32, self.exact = low.detach().float(), False
             self.mark()
             return
         with torch.no_grad():
@@ -251,6 +266,17 @@ class LoadIntoShadows:
                     value = state_dict.get(owner_prefix + name)
                     if not (shadow.exact and _held_exactly(value, shadow.current())):
                         _load(shadow.full(), value)
+
+
+def _references(holder):
+    """(Python references, uses of its storage) of `holder.fp32`, counted from here."""
+    tensor = holder.fp32
+    return sys.getrefcount(tensor), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+# What _references counts for a tensor that its holder alone holds (measured, not assumed: how
+# many references the interpreter's stack adds differs between Python versions).
+_ALONE = _references(types.SimpleNamespace(fp32=torch.zeros(1)))
 
 
 def held_exactly(fp32, dtype):

@@ -6,6 +6,7 @@ with host work that does not grow with the number of parameters."""
 import cProfile
 import copy
 import pstats
+import weakref
 
 import pytest
 import torch
@@ -300,16 +301,17 @@ def test_a_buffer_held_exactly_in_low_precision_is_held_once(opt_level):
     bit; the state dict and deinitialize give its FP32 values back (the original object), and a
     buffer that is not exact keeps its FP32 copy."""
     model = _Masked()
-    mask, thirds = model.mask, model.thirds
-    originals = {"mask": mask.clone(), "thirds": thirds.clone()}
+    # Weak references: a strong one would hold the buffer, which amp then leaves as it is.
+    mask, thirds = weakref.ref(model.mask), weakref.ref(model.thirds)
+    originals = {"mask": model.mask.clone(), "thirds": model.thirds.clone()}
     model = amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
     assert model.mask.dtype is torch.bfloat16
-    assert mask.untyped_storage().nbytes() == 0 and thirds.untyped_storage().nbytes() > 0
+    assert mask().untyped_storage().nbytes() == 0 and thirds().untyped_storage().nbytes() > 0
     state = model.state_dict()
     for name, value in originals.items():
         assert state[name].dtype is torch.float32 and torch.equal(state[name], value)
     amp.deinitialize()
-    assert model.mask is mask and model.thirds is thirds
+    assert model.mask is mask() and model.thirds is thirds()
     for name, value in originals.items():
         assert torch.equal(getattr(model, name), value)
 
@@ -317,14 +319,14 @@ def test_a_buffer_held_exactly_in_low_precision_is_held_once(opt_level):
 @pytest.mark.parametrize("loaded", [1 / 3, 0.5], ids=["inexact", "exact"])
 def test_a_write_into_an_exact_buffer_or_a_load_into_it_keeps_the_fp32_values(loaded):
     models = [_Masked(), _Masked()]
-    original = models[1].mask
+    original = weakref.ref(models[1].mask)
     models = amp.initialize(models, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     models[0].mask.fill_(2.0)  # the model writes its low-precision buffer
     assert torch.equal(models[0].state_dict()["mask"], torch.full((4, 4), 2.0))
     state = {**_Masked().state_dict(), "mask": torch.full((4, 4), loaded)}
     models[1].load_state_dict(state)
     # Values the low precision holds need no FP32 copy; others are kept in the original.
-    assert (original.untyped_storage().nbytes() == 0) == (loaded == 0.5)
+    assert (original().untyped_storage().nbytes() == 0) == (loaded == 0.5)
     assert torch.equal(models[1].state_dict()["mask"], state["mask"])
     amp.deinitialize()
     assert torch.equal(models[0].mask, torch.full((4, 4), 2.0))
@@ -358,3 +360,50 @@ def _pickled(model):
     torch.save(model, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+class _Sharing(torch.nn.Module):
+    """A Linear and a batch norm (kept FP32 at O2) holding one exact buffer, and an alias of it."""
+
+    def __init__(self, alias=False):
+        super().__init__()
+        scale = torch.ones(4)
+        self.linear, self.norm = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        self.linear.register_buffer("scale", scale)
+        self.norm.register_buffer("scale", scale)
+        self.alias = scale if alias else None
+
+    def forward(self, x):
+        scale = self.alias if self.alias is not None else self.norm.scale
+        return self.norm(self.linear(x) * self.linear.scale) * scale.to(x.dtype)
+
+
+@pytest.mark.parametrize("alias", [False, True], ids=["batch-norm", "alias"])
+def test_an_exact_buffer_something_else_holds_keeps_its_memory(alias):
+    """Released, the buffer would be empty for the module kept FP32 or for the alias."""
+    model = amp.initialize(_Sharing(alias), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert model.norm.scale.shape == (4,) and model.norm.scale.dtype is torch.float32
+    if alias:
+        assert torch.equal(model.alias, torch.ones(4))
+    assert model(torch.randn(3, 4)).shape == (3, 4)
+
+
+def test_an_exact_buffer_two_models_share_keeps_its_memory():
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    shared = torch.ones(4)
+    first.register_buffer("mask", shared)
+    second.register_buffer("mask", shared)
+    del shared
+    models = amp.initialize([first, second], opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    for model in models:
+        assert torch.equal(model.state_dict()["mask"], torch.ones(4))
+
+
+def test_an_exact_buffer_replaced_after_initialize_comes_back_as_the_new_value():
+    model = _Masked()
+    original = weakref.ref(model.mask)
+    model = amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model.mask = torch.full((4, 4), 3.0, dtype=torch.bfloat16)
+    assert torch.equal(model.state_dict()["mask"], torch.full((4, 4), 3.0))
+    amp.deinitialize()
+    assert torch.equal(model.mask, torch.full((4, 4), 3.0)) and model.mask is not original()
