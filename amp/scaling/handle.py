@@ -194,11 +194,8 @@ class _ScaleLoss:
                 found = check.found
             else:
                 found = scaler.scratch_flag(device)  # static scales never skip
-            # Gradients kept low precision until the step are unscaled there by the inverse
-            # scale of this block, copied (inv_used): the update below changes the live one.
-            inv_used = check.inv_used if checked else None
             for record in records:
-                record.stash.commit(found, inv_used)
+                record.stash.commit(found)
             if not delay_unscale and not scaler.dynamic:
                 scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
             if not checked:

@@ -9,7 +9,6 @@ from ..weights.checks import (
     FOUND,
     FOUND_EFFECTIVE,
     INV,
-    INV_USED,
     STATE_LENGTH,
     TRACKER,
     Check,
@@ -147,7 +146,7 @@ class LossScaler:
         last = self._last
         if last is not None and last.holders:
             last.freeze()
-        state[FOUND:INV_USED].zero_()
+        state[FOUND:].zero_()
         check = self._last = Check(loss_id, self._mirror, state, self._views)
         return check
 

@@ -26,15 +26,14 @@ __all__ = [
     "FOUND",
     "BAD",
     "FOUND_EFFECTIVE",
-    "INV_USED",
     "new_state",
     "views",
     "Check",
     "ScaleMirror",
 ]
 
-STATE_LENGTH = 6
-INV, TRACKER, FOUND, BAD, FOUND_EFFECTIVE, INV_USED = range(STATE_LENGTH)
+STATE_LENGTH = 5
+INV, TRACKER, FOUND, BAD, FOUND_EFFECTIVE = range(STATE_LENGTH)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -46,11 +45,10 @@ def new_state(inv_scale, unskipped, device):
 
 
 def views(state):
-    """(found, bad, inv_used) of a state: the flags a block leaves, and the inverse scale it used."""
+    """(found, bad) of a state: the flags a block leaves."""
     return (
         state[FOUND].view(torch.float32),  # the gradients held inf/NaN (the unscale flag)
         state[BAD],  # the loss was inf/NaN
-        state[INV_USED].view(torch.float32),  # 1/scale the block's loss was scaled with
     )
 
 
@@ -64,7 +62,6 @@ class Check:
         "state",
         "found",
         "bad",
-        "inv_used",
         "holders",
         "host",
         "event",
@@ -80,7 +77,7 @@ class Check:
         self.loss_id = loss_id
         self.mirror = mirror
         self.state = state
-        self.found, self.bad, self.inv_used = state_views
+        self.found, self.bad = state_views
         self.holders = 0  # optimizers that have not yet stepped (or zero_grad'ed) on it
         self.host = self.event = None
         self.learned = False
@@ -92,7 +89,7 @@ class Check:
         """The scaler is about to reuse its state while an optimizer still waits on this check:
         keep this block's results apart (one copy on the device)."""
         self.state = self.state.clone()
-        self.found, self.bad, self.inv_used = views(self.state)
+        self.found, self.bad = views(self.state)
 
     def post(self, host):
         """Start the copy of the state (after the update) into `host` memory; no wait."""

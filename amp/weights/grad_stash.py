@@ -143,10 +143,9 @@ class GradientStash:
         for param, grad in frame.taken or frame.copies:
             param.grad = grad
 
-    def commit(self, found_inf, inv_used=None):
+    def commit(self, found_inf):
         """The block exited normally: join its gradients with the ones taken (see module doc).
-        Gradients unscaled here are checked for inf/NaN into `found_inf` (a float32 flag);
-        `inv_used` keeps the inverse scale for gradients kept low precision until the step."""
+        Gradients unscaled here are checked for inf/NaN into `found_inf` (a float32 flag)."""
         frame = self.frames.pop()
         nested = bool(self.frames)
         taken_scaled = nested or self.scaled_by is not None
@@ -169,7 +168,7 @@ class GradientStash:
         else:
             extras = frame.taken + frame.done
         if not extras:
-            self._unscale(frame, found_inf, True, inv_used)
+            self._unscale(frame, found_inf, True)
             return
         table = self.record.table
         master_of = dict(zip(map(id, table.models), table.masters))
@@ -177,7 +176,7 @@ class GradientStash:
             master = master_of.get(id(param))
             if master is not None:
                 add_to_master_grad(master, grad.float())
-        self._unscale(frame, found_inf, True, inv_used)
+        self._unscale(frame, found_inf, True)
         _join([(param, grad) for param, grad in extras if id(param) not in master_of])
 
     def reset(self):
@@ -192,7 +191,7 @@ class GradientStash:
         accumulation of delay_unscale blocks)."""
         return self.scaled_by is scaler or any(frame.scaler is scaler for frame in self.frames)
 
-    def _unscale(self, frame, found_inf, into_masters, inv_used=None):
+    def _unscale(self, frame, found_inf, into_masters):
         """Unscale and check the gradients in `.grad` by `frame`'s scale. into_masters: O2 model
         gradients go into the master gradients, plain ones stay in `.grad`; else every unscaled
         gradient is taken out of `.grad` and returned as (param, grad), for the enclosing
@@ -213,13 +212,11 @@ class GradientStash:
         if record.masters is None:
             kernels.unscale_(views, inv_scale, found_inf)
         else:  # with the model gradients, in one launch where it can
-            _unscale_model_grads(
-                record, inv_scale, found_inf, inv_used, into_masters, handed, views
-            )
+            _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, views)
         return handed
 
 
-def _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, handed, plain):
+def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, plain):
     """O2: the model gradients, unscaled and checked, into FP32 gradients: the master gradients
     (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. The
     model's gradients are dropped. With the CuPy kernels and a fused step to come they are only
@@ -252,7 +249,7 @@ def _unscale_model_grads(record, inv_scale, found_inf, inv_used, into_masters, h
         return
     if into_masters and record.defers(grads[0].device):
         kernels.unscale_(plain, inv_scale, found_inf)
-        record.masters.defer(models, masters, grads, inv_scale, found_inf, inv_used)
+        record.masters.defer(models, masters, grads, inv_scale, found_inf)
         return
     # One launch per dtype group (per launch-sized run of tensors with the CuPy kernels).
     fresh = list(map(torch.empty_like, masters))

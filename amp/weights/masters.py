@@ -119,7 +119,7 @@ class Deferred:
 
     def __init__(self, models, masters, grads, inv_scale, flags):
         self.models, self.masters, self.grads = models, masters, grads
-        self.inv_scale = inv_scale  # 1/scale the gradients were scaled with (not the live one)
+        self.inv_scale = inv_scale  # 1/scale the gradients were scaled with: this one's own
         self.flags = flags  # kernels.check_'s: which of them held inf/NaN, asked on a skip
         self.by_master = dict(zip(map(id, masters), grads))
 
@@ -137,11 +137,12 @@ class Masters:
         self.deferring = _deferring_class(self)
         self.fused = FusedStep(record)
 
-    def defer(self, models, masters, grads, inv_scale, found_inf, inv_used):
+    def defer(self, models, masters, grads, inv_scale, found_inf):
         """scale_loss's exit with the CuPy kernels: check the gradients (found_inf), keep them
-        for the fused step; `inv_used` (if given) takes the inverse scale in the same pass."""
-        flags = kernels.check_(grads, found_inf, inv_scale=inv_scale, inv_used=inv_used)
-        used = inv_used if inv_used is not None else inv_scale
+        for the fused step with a copy of the inverse scale they were scaled with, taken in the
+        same pass (the live one changes at the exit's update, a later block's, or a load)."""
+        used = torch.empty((), dtype=torch.float32, device=inv_scale.device)
+        flags = kernels.check_(grads, found_inf, inv_scale=inv_scale, inv_used=used)
         self.deferred = Deferred(models, masters, grads, used, flags)
         set_each(masters, "__class__", itertools.repeat(self.deferring))
 

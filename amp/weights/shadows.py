@@ -94,10 +94,14 @@ class Shadow:
 
     def release(self):
         """Release the FP32 original of an exact shadow where nothing else holds it or its memory
-        (a module kept FP32, another model, an alias, a view would see it empty); else it stays
-        as it is, and the shadow an ordinary one."""
+        (a module kept FP32, another model, an alias, a view would see it empty) and torch owns
+        that memory (not numpy's, shared or from DLPack: released, it would stop being shared);
+        else it stays as it is, and the shadow an ordinary one."""
         if self.exact:
-            if self.fp32._base is None and _references(self) == _ALONE:
+            storage = self.fp32.untyped_storage()
+            owned = storage.resizable() and not storage.is_shared()
+            del storage  # it would count as a use of the storage
+            if owned and self.fp32._base is None and _references(self) == _ALONE:
                 self.fp32.data = torch.empty(0, device=self.fp32.device)
             else:
                 self.exact = False

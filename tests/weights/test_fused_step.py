@@ -496,3 +496,44 @@ def test_a_copy_of_the_optimizer_between_the_exit_and_the_step_holds_plain_param
     )
     params = [p for group in copies[-1].param_groups for p in group["params"]]
     assert {type(p) for p in params} == {torch.nn.Parameter}
+
+
+def _two_optimizers_one_scaler(general, delay_overflow_check):
+    """Two O2 models and optimizers sharing loss scaler 0, each its own block before the steps,
+    the scale growing at every clean update; the masters after two steps."""
+    from amp._state import amp_state
+
+    sizes = dict(inputs=16, hidden=32, outputs=16)
+    models = [make_model(batch_norm=False, seed=seed, **sizes) for seed in (0, 1)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True) for m in models]
+    models, optimizers = amp.initialize(
+        models, optimizers, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    amp_state.loss_scalers[0].growth_interval = 1
+    if general:
+        for optimizer in optimizers:
+            optimizer.register_step_pre_hook(lambda *args: None)
+    for step in range(3):
+        for index, (model, optimizer) in enumerate(zip(models, optimizers)):
+            optimizer.zero_grad()
+            loss = loss_of(model, step, inputs=16, outputs=16)
+            delay = delay_overflow_check and index == 0
+            with amp.scale_loss(loss, optimizer, delay_overflow_check=delay) as scaled:
+                scaled.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    return [state_of(model, optimizer) for model, optimizer in zip(models, optimizers)]
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("delay_overflow_check", [False, True], ids=["checked", "delayed-check"])
+def test_deferred_gradients_keep_their_scale_while_another_block_changes_it(
+    emulated_cupy, one_thread, delay_overflow_check
+):
+    """A later block's exit (its check, its update of the shared scaler) comes between the first
+    block's exit and its step: the first block's gradients are unscaled by their own scale."""
+    ours = _two_optimizers_one_scaler(False, delay_overflow_check)
+    amp.deinitialize()
+    theirs = _two_optimizers_one_scaler(True, delay_overflow_check)
+    for a, b in zip(ours, theirs, strict=True):
+        assert_bitwise_states(a, b)

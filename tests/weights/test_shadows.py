@@ -407,3 +407,16 @@ def test_an_exact_buffer_replaced_after_initialize_comes_back_as_the_new_value()
     assert torch.equal(model.state_dict()["mask"], torch.full((4, 4), 3.0))
     amp.deinitialize()
     assert torch.equal(model.mask, torch.full((4, 4), 3.0)) and model.mask is not original()
+
+
+def test_an_exact_buffer_on_memory_torch_does_not_own_keeps_it():
+    """A buffer on numpy's memory stays shared with the array through initialize and after."""
+    import numpy
+
+    array = numpy.array([0.0, 1.0, 2.0, 4.0], dtype=numpy.float32)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("offset", torch.from_numpy(array))
+    del array  # only the buffer holds it now
+    model = amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    amp.deinitialize()
+    assert model.offset.untyped_storage().resizable() is False  # still numpy's
