@@ -234,8 +234,8 @@ def adam_step_(
     device: the gradients (any float dtype) times `inv_scale` (if given), the FP32 `masters`,
     `exp_avgs`, `exp_avg_sqs` and `steps` (float32 0-dim, torch's `state["step"]`) updated in
     place as torch.optim does, and `lows` (if given) set to the new masters rounded to their
-    dtype (a None in `lows`: a parameter stepped without a low-precision copy). Nothing changes where `found_inf` (a float32 flag) is set: the step is skipped on the
-    device.
+    dtype (a None in `lows`: a parameter stepped without a low-precision copy). Nothing changes
+    where `found_inf` (a float32 flag) is set: the step is skipped on the device.
 
     Numerics: each element follows torch's formula operation by operation in float32, with the
     fused multiply-adds torch's CPU kernels use, so the result is torch.optim.AdamW(fused=True)'s

@@ -5,13 +5,14 @@ optimizer steps it, an FP32 copy in the table of frozen parameters when none doe
 cast floating buffer keeps its FP32 original as its shadow here; one whose values the low
 precision holds exactly (a causal mask of 0 and -inf, integer positions) keeps the original's
 object only, its memory released, until a state dict or a load needs the FP32 values apart
-(`Shadow.exact`), so that O2 holds such a buffer once, in low precision. O3 keeps no FP32 copy of its
-parameters: `state_dict()` makes a transient shadow, which lives until the next forward has taken
-what was written into it. `model.state_dict()` returns the FP32 tensors themselves, so that code
-which updates a model in place through its state dict (timm's ModelEmaV2/V3 on a `copy.deepcopy`
-of the model) changes what the model computes with: a write into an FP32 value is copied into the
-low-precision tensor before the next forward, and a write into the low-precision tensor is taken
-into the FP32 value where it changed the low-precision value (table.py says how).
+(`Shadow.exact`), so that O2 holds such a buffer once, in low precision. O3 keeps no FP32 copy
+of its parameters: `state_dict()` makes a transient shadow, which lives until the next forward
+has taken what was written into it. `model.state_dict()` returns the FP32 tensors themselves, so
+that code which updates a model in place through its state dict (timm's ModelEmaV2/V3 on a
+`copy.deepcopy` of the model) changes what the model computes with: a write into an FP32 value
+is copied into the low-precision tensor before the next forward, and a write into the
+low-precision tensor is taken into the FP32 value where it changed the low-precision value
+(table.py says how).
 
 Parameters are found by identity, wherever they sit: one that `torch.nn.utils.parametrize` or
 `torch.nn.utils.prune` moved (to `<module>.parametrizations.<name>.original`, `<name>_orig`) is
@@ -101,7 +102,8 @@ class Shadow:
             storage = self.fp32.untyped_storage()
             owned = storage.resizable() and not storage.is_shared()
             del storage  # it would count as a use of the storage
-            if owned and self.fp32._base is None and _references(self) == _ALONE:
+            alone = _ALONE is not None and _references(self) == _ALONE
+            if owned and alone and self.fp32._base is None:
                 self.fp32.data = torch.empty(0, device=self.fp32.device)
             else:
                 self.exact = False
@@ -272,10 +274,15 @@ class LoadIntoShadows:
                         _load(shadow.full(), value)
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # None: nothing is released
+
+
 def _references(holder):
     """(Python references, uses of its storage) of `holder.fp32`, counted from here."""
     tensor = holder.fp32
-    return sys.getrefcount(tensor), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    if _USE_COUNT is None:
+        return None
+    return sys.getrefcount(tensor), _USE_COUNT(tensor.untyped_storage()._cdata)
 
 
 # What _references counts for a tensor that its holder alone holds (measured, not assumed: how
