@@ -211,6 +211,12 @@ def _step_groups(grads, lows, *state):
     return taken, sorted(rest)
 
 
+def _ends(masters):
+    """A launch plan's key part for a list of masters: its first and last tensors, the same from
+    step to step whichever list object holds them (planned compares the pointers anyway)."""
+    return id(masters[0]), id(masters[-1])
+
+
 def _copy_split(lows):
     """[(indices, lows)]: the rows with a low-precision copy, and those without (None in `lows`,
     a plain parameter in a group of masters); None if `lows` has no None."""
@@ -249,7 +255,7 @@ def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
         count = len(rows[0])
         pointers.append(list(map(_data_ptr, _pick(lows, indices))) if low_type else [0] * count)
         pointers.append(list(map(_data_ptr, _pick(steps, indices))))
-        key = ("adam", grad_type, low_type, id(masters), count)
+        key = ("adam", grad_type, low_type, *_ends(rows[1]), count)
         launches = cuda.planned(key, device, pointers, list(map(_numel, rows[0])))
         types = f"{_TYPE_NAMES[grad_type]}, {_TYPE_NAMES[low_type or torch.float32]}"
         cuda.run(f"amp_adam<{types}>", launches, arguments, index)
@@ -302,7 +308,7 @@ def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
             list(map(_data_ptr, _pick(buffers, indices))) if momentum != 0 else [0] * count
         )
         pointers.append(list(map(_data_ptr, _pick(lows, indices))) if low_type else [0] * count)
-        key = ("sgd", grad_type, low_type, id(masters), count)
+        key = ("sgd", grad_type, low_type, *_ends(rows[1]), count)
         launches = cuda.planned(key, device, pointers, list(map(_numel, rows[0])))
         types = f"{_TYPE_NAMES[grad_type]}, {_TYPE_NAMES[low_type or torch.float32]}"
         cuda.run(f"amp_sgd<{types}>", launches, arguments, index)

@@ -95,9 +95,6 @@ class FusedStep:
     def __init__(self, record):
         self.record = record
         self.kind = False  # "adam", "sgd" or None once known (the record's methods come later)
-        # id(group's params) -> (their ids, masters, models, plain): lists the kernels' launch
-        # plans are kept for (amp.kernels' CuPy backend keys them by identity), step to step.
-        self._splits = {}
 
     def plan(self):
         """[(options, params, models or None)] per parameter group (models: each master's model
@@ -183,23 +180,17 @@ class FusedStep:
             return False
         return options, grads, params, models, state, inv_scale
 
-    def _deferred_rows(self, params, models, deferred):
+    @staticmethod
+    def _deferred_rows(params, models, deferred):
         """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are
         deferred (low precision, still scaled): the masters' rows, and the plain parameters'
-        apart, in lists kept while the group holds the same parameters."""
+        apart."""
         if all(map(operator.is_not, models, _NONES)):
             return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
-        ids = tuple(map(id, params))
-        split = self._splits.get(id(params))
-        if split is None or split[0] != ids:
-            present = list(map(operator.is_not, models, _NONES))
-            split = self._splits[id(params)] = (
-                ids,
-                list(itertools.compress(params, present)),
-                list(itertools.compress(models, present)),
-                [param for param, model in zip(params, models) if model is None],
-            )
-        _, masters, master_models, plain = split
+        present = list(map(operator.is_not, models, _NONES))
+        masters = list(itertools.compress(params, present))
+        master_models = list(itertools.compress(models, present))
+        plain = [param for param, model in zip(params, models) if model is None]
         return (
             (masters, master_models, deferred.grads_of(masters), deferred.inv_scale),
             (plain, None, list(map(_grad, plain)), None),

@@ -414,12 +414,14 @@ def test_deinitialize_between_the_exit_and_the_step_hands_the_gradients_back(emu
 
 
 @pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("clip", [False, True], ids=["deferred", "clipped"])
 def test_the_cupy_path_packs_its_step_launches_once_for_masters_and_plain_parameters(
-    emulated_cupy, monkeypatch
+    emulated_cupy, monkeypatch, clip
 ):
-    """The step kernels' launch plans (kept per list by amp.kernels' CuPy backend) are reused
-    from step to step when a group holds masters and batch norm's plain parameters: packed at
-    the first fused step only (the second; the first is the optimizer's own)."""
+    """The step kernels' launch plans (amp.kernels' CuPy backend keeps them by the tensors they
+    cover) are reused from step to step when a group holds masters and batch norm's plain
+    parameters, and when a clipping made the masters' gradients FP32 (one call with rows without
+    a copy): packed at the first fused step only (the second; the first is the optimizer's)."""
     from amp.kernels import _cupy_device
 
     packed = []
@@ -436,10 +438,17 @@ def test_the_cupy_path_packs_its_step_launches_once_for_masters_and_plain_parame
 
     monkeypatch.setattr(_cupy_device, "planned", step_planned)
     marks = []
-    train(
-        torch.optim.AdamW, dict(lr=0.01), steps=5, batch_norm=True, hook=lambda *a: marks.append(1)
-    )
-    assert packed == [2, 2]  # the masters' call and the plain parameters' one, at step 2
+
+    def mark(step, model, optimizer):
+        marks.append(step)
+        if clip:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    train(torch.optim.AdamW, dict(lr=0.01), steps=5, batch_norm=True, hook=mark)
+    # At step 2: the masters' rows and the plain parameters'; clipped, the masters' FP32
+    # gradients with BF16 weights go to the torch backend (no kernel for that pair).
+    assert packed == ([2] if clip else [2, 2])
 
 
 @pytest.mark.usefixtures("deinitialized")
