@@ -195,16 +195,15 @@ def check_(tensors, found_inf, inv_scale=None, inv_used=None):
 
 def _step_groups(grads, lows, *state):
     """{(gradient dtype, low dtype or None): indices} of the rows a fused kernel takes (every
-    tensor contiguous, the master and its state float32, the low-precision weight of the
-    gradient's dtype), and the rows left to the torch backend."""
+    tensor contiguous, the master and its state float32, the gradient and weight types a kernel
+    is built for: cuda.STEP_TYPES), and the rows left to the torch backend."""
     groups, rest = _grouped(grads, *state, *([lows] if lows is not None else []))
     taken = {}
     for key, indices in groups.items():
         grad_type, low_type = key[0], key[-1] if lows is not None else None
         state_types = key[1 : len(state) + 1]
-        # The kernels are built for a weight of the gradient's dtype, or none with an FP32 one.
-        kernel_types = low_type is grad_type or (low_type is None and grad_type is torch.float32)
-        if all(t is torch.float32 for t in state_types) and kernel_types:
+        built = (grad_type, low_type or torch.float32) in cuda.STEP_TYPES
+        if all(t is torch.float32 for t in state_types) and built:
             taken[(grad_type, low_type)] = indices
         else:
             rest.extend(range(len(grads)) if indices is None else indices)

@@ -16,6 +16,7 @@ from . import _layout
 __all__ = [
     "PARAM_BYTES_ENV",
     "TYPE_NAMES",
+    "STEP_TYPES",
     "SUPPORTED_PAIRS",
     "nvrtc_version",
     "on_gpu",
@@ -32,6 +33,11 @@ __all__ = [
 PARAM_BYTES_ENV = "AMP_KERNEL_PARAM_BYTES"  # force the 4 KB layout on GPUs that allow 32 KB
 _SOURCE = pathlib.Path(__file__).with_name("multi_tensor.cu").read_text()
 TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+# (gradient, weight) types of the fused steps: the weight's type, or an FP32 gradient (made by a
+# read of the masters' `.grad` before the step) for any weight; float32 stands for no weight.
+STEP_TYPES = frozenset(
+    [(t, t) for t in TYPE_NAMES] + [(torch.float32, t) for t in (torch.float16, torch.bfloat16)]
+)
 _NAMES = (
     [f"amp_unscale<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
     + [f"amp_sum_squares<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
@@ -43,9 +49,9 @@ _NAMES = (
     + ["amp_norm_finalize"]
     + [f"amp_check<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
     + [
-        f"{kernel}<{TYPE_NAMES[t]}, {TYPE_NAMES[t]}>"
+        f"{kernel}<{TYPE_NAMES[grad]}, {TYPE_NAMES[low]}>"
         for kernel in ("amp_adam", "amp_sgd")
-        for t in TYPE_NAMES
+        for grad, low in sorted(STEP_TYPES, key=str)
     ]
     + ["amp_count_steps"]
 )

@@ -192,6 +192,26 @@ def test_a_row_without_a_low_precision_copy_is_stepped_as_the_others(kernel, one
 
 
 @emulated
+@pytest.mark.parametrize("low_dtype", LOW, ids=str)
+def test_fp32_gradients_with_low_precision_weights_are_stepped_by_the_kernels(
+    kernel, one_thread, low_dtype
+):
+    """The masters' gradients made FP32 before the step (a clipping read them): the same step,
+    on the kernels built for that pair of types."""
+    adam, sgd = adam_state(SIZES, low_dtype), sgd_state(SIZES, low_dtype)
+    for state in (adam, sgd):
+        state["grads"] = [grad.float() for grad in state["grads"]]
+    assert_same_bits(run_adam(kernel, adam, True), run_adam(_torch_backend, adam, True))
+    assert_same_bits(run_sgd(kernel, sgd, SGD[0]), run_sgd(_torch_backend, sgd, SGD[0]))
+    name = fake_cupy.TYPE_NAMES[low_dtype]
+    assert kernel.launched() == [
+        f"amp_adam<float, {name}>",
+        "amp_count_steps",
+        f"amp_sgd<float, {name}>",
+    ]
+
+
+@emulated
 def test_rows_no_kernel_is_built_for_go_to_the_torch_backend(kernel, one_thread):
     """A low-precision gradient of an FP32 parameter stepped without a copy (no such kernel)."""
     state = adam_state(SIZES, torch.bfloat16)
