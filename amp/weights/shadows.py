@@ -291,7 +291,10 @@ _ALONE = _references(types.SimpleNamespace(fp32=torch.zeros(1)))
 
 
 def held_exactly(fp32, dtype):
-    """Whether `dtype` holds every value of the FP32 tensor `fp32` bit for bit."""
+    """Whether `dtype` holds every value of the FP32 tensor `fp32` bit for bit (False for a
+    tensor without values to compare: meta, fake, or a subclass)."""
+    if type(fp32) is not torch.Tensor or fp32.device.type == "meta":
+        return False
     bits = torch.int32
     return torch.equal(fp32.to(dtype).float().view(bits), fp32.detach().view(bits))
 

@@ -420,3 +420,21 @@ def test_an_exact_buffer_on_memory_torch_does_not_own_keeps_it():
     model = amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     amp.deinitialize()
     assert model.offset.untyped_storage().resizable() is False  # still numpy's
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_buffers_without_values_are_cast_and_kept_as_before(where):
+    """A model on the meta device or made under FakeTensorMode (device_work.py counts real sizes
+    so) has no values to compare: its buffers keep their FP32 shadows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if where == "meta":
+        with torch.device("meta"):
+            model = _Masked()
+        model = amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        assert model.mask.dtype is torch.bfloat16 and model.mask.is_meta
+        return
+    with FakeTensorMode():
+        model = amp.initialize(_Masked(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        assert model.mask.dtype is torch.bfloat16
+        assert model.state_dict()["mask"].dtype is torch.float32
