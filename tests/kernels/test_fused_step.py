@@ -21,6 +21,7 @@ import torch
 from amp import kernels
 from amp.kernels import _layout, _torch_backend
 from helpers import fake_cupy
+from helpers.floats import bits, ulps
 from helpers.cuda_emulation import build
 
 emulated = pytest.mark.skipif(build.compiler() is None, reason="needs g++ for the emulated grid")
@@ -35,18 +36,6 @@ def kernel(monkeypatch):
     module, launches = fake_cupy.install(monkeypatch, kernels="compiled", order="shuffled", seed=3)
     module.launched = lambda: [name for name, _, _ in launches.calls]
     return module
-
-
-def bits(tensor):
-    return tensor.view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
-
-
-def ulps(a, b):
-    """Distance of float32 tensors in units in the last place (across zero too)."""
-    a, b = bits(a).long(), bits(b).long()
-    a = torch.where(a < 0, -(a & 0x7FFFFFFF), a)
-    b = torch.where(b < 0, -(b & 0x7FFFFFFF), b)
-    return (a - b).abs()
 
 
 def adam_state(sizes, low_dtype, seed=0):

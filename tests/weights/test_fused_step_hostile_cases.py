@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import amp
+from helpers.floats import ulps
 from helpers.models import loss_of, make_model
 
 
@@ -85,14 +86,6 @@ def _stepped(model, cls, options, general, steps=3):
     return masters, state
 
 
-def _ulps(a, b):
-    """Distance of float32 tensors in units in the last place (across zero too)."""
-    a, b = a.view(torch.int32).long(), b.view(torch.int32).long()
-    a = torch.where(a < 0, -(a & 0x7FFFFFFF), a)
-    b = torch.where(b < 0, -(b & 0x7FFFFFFF), b)
-    return (a - b).abs()
-
-
 @pytest.mark.usefixtures("deinitialized")
 def test_o2_sgd_with_momentum_is_within_an_ulp_of_the_default_for_loop_sgd(one_thread):
     """The contract (README, kernels.sgd_step_): bit for bit torch's fused SGD
@@ -104,8 +97,7 @@ def test_o2_sgd_with_momentum_is_within_an_ulp_of_the_default_for_loop_sgd(one_t
     amp.deinitialize()
     theirs = _stepped(make_model(), torch.optim.SGD, options, True, steps=4)
     distances = [
-        int(_ulps(a, b).max())
-        for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True)
+        int(ulps(a, b).max()) for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True)
     ]
     assert max(distances) == 1  # not 0: the case reaches the scalar loop
 
