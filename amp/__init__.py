@@ -16,7 +16,7 @@ from .casting.registration import (
     register_promote_function,
 )
 from .diagnostics import origin as _origin
-from .diagnostics.audit import audit
+from .auditing.audit import audit
 from .diagnostics.nonfinite_loss import NonFiniteLossWarning
 from .diagnostics.trace import trace
 from .frontend import (

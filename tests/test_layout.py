@@ -2,9 +2,9 @@
 
 Every `from amp...` import in amp/, at module level or inside a function, is read from the
 source. The graph of modules has no cycle, and a module imports only from its own layer or a
-lower one, so each layer can be read without the ones above it. A folder is one concern and
-mostly one layer; diagnostics/ spans two: the recorders every layer reports into sit low, the
-audit that runs the others' machinery sits at the top.
+lower one, so each layer can be read without the ones above it. A folder is one concern and one
+layer: the recorders every layer reports into (diagnostics/) sit low, the audit that runs the
+others' machinery (auditing/) near the top.
 """
 
 import ast
@@ -35,7 +35,7 @@ LAYERS = (
     # engines: below loss scaling, whose scale_loss drives the stash and hands it the scale
     ("amp.weights",),
     ("amp.scaling",),  # loss scalers, scale_loss, GradScaler
-    ("amp.diagnostics.audit", "amp.diagnostics.report"),  # the audit runs the others' machinery
+    ("amp.auditing",),  # the audit runs the others' machinery
     ("amp.frontend", "amp.__main__", "amp", "amp.lightning"),  # the front door
 )
 

@@ -421,3 +421,35 @@ def test_a_kept_modules_output_that_overflows_when_cast_back_is_named_as_the_ori
     found = amp.last_overflow().origin
     # Not 'norm', which only received the inf: 'body' in float16, after the cast back.
     assert (found.module, found.phase, found.dtype) == ("body", "forward", torch.float16)
+
+
+def test_the_overflow_origin_names_the_fp8_layer():
+    """float16 at O2 + float8: an FP8 matmul's float16 output overflows; amp skips the step,
+    watches the next one and names the layer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(3e4)  # its output is beyond float16's 65504
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", float8="tensorwise", verbosity=0
+    )
+    x = torch.randn(16, 16) * 10
+    try:
+        with pytest.warns(amp.NonFiniteLossWarning, match="module '2' in forward"):
+            for _ in range(2):
+                with amp.trace() as trace:
+                    loss = model(x).float().square().mean()
+                with amp.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        report = amp.last_overflow()
+    finally:
+        amp.deinitialize()
+    assert [r.ran_in for r in trace.records][:2] == [torch.float8_e4m3fn] * 2
+    origin = report.origin
+    assert (origin.module, origin.phase, origin.op) == ("2", "forward", "Linear")
+    assert origin.dtype is torch.float16 and origin.kind == "inf"

@@ -1,4 +1,4 @@
-"""amp.audit (amp/diagnostics/audit.py, report.py): each module in FP32 and in low precision,
+"""amp.audit (amp/auditing/audit.py, report.py): each module in FP32 and in low precision,
 worst first; nothing changed afterwards."""
 
 import copy
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import amp
-from amp.diagnostics.report import AuditReport, AuditRow
+from amp.auditing.report import AuditReport, AuditRow
 from helpers.models import overflowing_net
 
 
