@@ -5,13 +5,13 @@ copies. Every launch goes to torch's current stream; nothing here synchronises w
 Tensors a kernel cannot take (non-contiguous, float64, ...) are handed to the torch backend.
 """
 
-import itertools
 import operator
 
 import torch
 
 from . import _cupy_device as cuda
 from . import _layout, _torch_backend
+from ._torch_backend import NONES
 
 __all__ = [
     "check",
@@ -31,7 +31,6 @@ _TYPE_NAMES = cuda.TYPE_NAMES
 _grouped, _pick = cuda.grouped, cuda.pick
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
-_NONES = itertools.repeat(None)
 
 
 def unscale_(tensors, inv_scale, found_inf):
@@ -219,7 +218,7 @@ def _ends(masters):
 def _copy_split(lows):
     """[(indices, lows)]: the rows with a low-precision copy, and those without (None in `lows`,
     a plain parameter in a group of masters); None if `lows` has no None."""
-    if lows is None or all(map(operator.is_not, lows, _NONES)):
+    if lows is None or all(map(operator.is_not, lows, NONES)):
         return None
     with_copy = [i for i, low in enumerate(lows) if low is not None]
     without = [i for i, low in enumerate(lows) if low is None]

@@ -191,7 +191,7 @@ def _unscaled_gradients(grads, inv_scale):
     return copies
 
 
-_NONES = itertools.repeat(None)
+NONES = itertools.repeat(None)  # with map(operator.is_not, ...): a C-level "is not None" per item
 
 
 def _one_dtype_each(masters, *rows):
@@ -213,8 +213,8 @@ def _copy_back(lows, masters):
     """lows = masters (rounded to their dtype) where a row has one (None: a plain parameter)."""
     if lows is None:
         return
-    if not all(map(operator.is_not, lows, _NONES)):
-        present = list(map(operator.is_not, lows, _NONES))
+    if not all(map(operator.is_not, lows, NONES)):
+        present = list(map(operator.is_not, lows, NONES))
         lows = list(itertools.compress(lows, present))
         masters = list(itertools.compress(masters, present))
     if lows:

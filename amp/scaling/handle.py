@@ -213,4 +213,3 @@ class _ScaleLoss:
         finally:
             if amp_state.cast_cache.filled:
                 amp_state.cast_cache.clear()
-        return False

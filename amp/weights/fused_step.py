@@ -27,14 +27,12 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .. import kernels
+from .columns import GRAD, IS_SPARSE, NONES
 
 __all__ = ["FusedStep"]
 
 _EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
 _BUFFER = operator.itemgetter("momentum_buffer")
-_grad = operator.attrgetter("grad")
-_is_sparse = operator.attrgetter("is_sparse")
-_NONES = itertools.repeat(None)
 
 
 def _kind(optimizer, step):
@@ -124,7 +122,7 @@ class FusedStep:
             models = list(map(model_of.get, map(id, params)))
             # A group of masters and plain parameters (batch norm's, kept FP32) is one call.
             plan.append(
-                (options, params, models if any(map(operator.is_not, models, _NONES)) else None)
+                (options, params, models if any(map(operator.is_not, models, NONES)) else None)
             )
         return plan
 
@@ -137,7 +135,7 @@ class FusedStep:
             if deferred is not None and models is not None:
                 rows = self._deferred_rows(params, models, deferred)
             else:
-                rows = ((params, models, list(map(_grad, params)), None),)
+                rows = ((params, models, list(map(GRAD, params)), None),)
             for params, models, grads, inv_scale in rows:
                 call = self._call(options, params, models, grads, inv_scale)
                 if call is False:
@@ -166,14 +164,14 @@ class FusedStep:
     def _call(self, options, params, models, grads, inv_scale):
         """The arguments of one kernel call for these rows; None if none has a gradient, False
         if the fused step cannot take them (the general path) or some state is not there yet."""
-        if not all(map(operator.is_not, grads, _NONES)):  # parameters without a gradient
-            present = list(map(operator.is_not, grads, _NONES))
+        if not all(map(operator.is_not, grads, NONES)):  # parameters without a gradient
+            present = list(map(operator.is_not, grads, NONES))
             if not any(present):
                 return None
             grads = list(itertools.compress(grads, present))
             params = list(itertools.compress(params, present))
             models = None if models is None else list(itertools.compress(models, present))
-        if any(map(_is_sparse, grads)) or any(map(torch.is_complex, params)):
+        if any(map(IS_SPARSE, grads)) or any(map(torch.is_complex, params)):
             return False  # torch's fused ops and the kernels take neither: the general path
         state = self._state(params, options)
         if state is None:
@@ -185,15 +183,15 @@ class FusedStep:
         """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are
         deferred (low precision, still scaled): the masters' rows, and the plain parameters'
         apart."""
-        if all(map(operator.is_not, models, _NONES)):
+        if all(map(operator.is_not, models, NONES)):
             return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
-        present = list(map(operator.is_not, models, _NONES))
+        present = list(map(operator.is_not, models, NONES))
         masters = list(itertools.compress(params, present))
         master_models = list(itertools.compress(models, present))
         plain = [param for param, model in zip(params, models) if model is None]
         return (
             (masters, master_models, deferred.grads_of(masters), deferred.inv_scale),
-            (plain, None, list(map(_grad, plain)), None),
+            (plain, None, list(map(GRAD, plain)), None),
         )
 
     def _state(self, params, options):
@@ -210,7 +208,7 @@ class FusedStep:
             buffers = list(map(_BUFFER, states))
         except (KeyError, TypeError):  # no state yet (None), or one without the key
             return None
-        if not all(map(operator.is_not, buffers, _NONES)):
+        if not all(map(operator.is_not, buffers, NONES)):
             return None
         return (buffers,)
 

@@ -21,27 +21,21 @@ kept low precision for the step, which unscales them as it reads them (masters.D
 FP32 master gradient is made.
 """
 
-import functools
 import itertools
 import operator
 
 import torch
 
 from .. import distributed, kernels
-from .table import set_each
+from .columns import GRAD, IS_SPARSE, NONES, NOT_NONE, set_each
 
 __all__ = ["GradientStash", "add_to_master_grad"]
-
-_grad = operator.attrgetter("grad")  # one C-level read per parameter on the per-step path
-_is_sparse = operator.attrgetter("is_sparse")
-_not_none = functools.partial(operator.is_not, None)  # with filter: no Python call per item
-_NONES = itertools.repeat(None)  # with map(operator.is_, ...): a C-level "is None" per item
 
 
 def _take(params):
     """[(param, grad)] for the params holding a gradient, which they no longer do."""
-    grads = list(map(_grad, params))
-    if all(map(operator.is_, grads, _NONES)):  # the usual case after zero_grad(set_to_none=True)
+    grads = list(map(GRAD, params))
+    if all(map(operator.is_, grads, NONES)):  # the usual case after zero_grad(set_to_none=True)
         return []
     taken = [(param, grad) for param, grad in zip(params, grads) if grad is not None]
     for param, _ in taken:
@@ -199,12 +193,12 @@ class GradientStash:
         record = self.record
         inv_scale = frame.inv
         params = record.plain_params()
-        grads = [*filter(_not_none, map(_grad, params))] if params else ()
+        grads = [*filter(NOT_NONE, map(GRAD, params))] if params else ()
         views = ()
         if grads and not frame.identity:
             views = grads
             # C-level checks per gradient (a generator costs a Python frame per parameter).
-            if any(map(_is_sparse, grads)) or any(map(torch.is_complex, grads)):
+            if any(map(IS_SPARSE, grads)) or any(map(torch.is_complex, grads)):
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
             if record.sharded:
                 views = distributed.local_tensors(views)
@@ -223,9 +217,9 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, pla
     checked and kept low precision for it (masters.Deferred). The `plain` gradients are unscaled
     in place and checked, with the new master gradients where those are made."""
     models, masters = record.table.models, record.table.masters
-    grads = list(map(_grad, models))
+    grads = list(map(GRAD, models))
     # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
-    present = list(map(operator.is_not, grads, _NONES))
+    present = list(map(operator.is_not, grads, NONES))
     if not all(present):
         if not any(present):
             kernels.unscale_(plain, inv_scale, found_inf)
@@ -233,15 +227,15 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, pla
         models = list(itertools.compress(models, present))  # parameters that had no gradient
         masters = list(itertools.compress(masters, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
-    set_each(models, "grad", _NONES)
-    master_grads = list(map(_grad, masters)) if into_masters else [None]
-    fresh_ones = all(map(operator.is_, master_grads, _NONES))
-    if not fresh_ones or any(map(_is_sparse, grads)):
+    set_each(models, "grad", NONES)
+    master_grads = list(map(GRAD, masters)) if into_masters else [None]
+    fresh_ones = all(map(operator.is_, master_grads, NONES))
+    if not fresh_ones or any(map(IS_SPARSE, grads)):
         kernels.unscale_(plain, inv_scale, found_inf)
         if (
-            any(map(_is_sparse, grads))
-            or any(map(operator.is_, master_grads, _NONES))  # some master gradients only
-            or any(map(_is_sparse, master_grads))
+            any(map(IS_SPARSE, grads))
+            or any(map(operator.is_, master_grads, NONES))  # some master gradients only
+            or any(map(IS_SPARSE, master_grads))
         ):
             _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
         else:  # into the master gradients there, one launch per dtype group

@@ -10,7 +10,8 @@ from .. import kernels
 from .._state import amp_state
 from .fused_step import FusedStep
 from .grad_stash import add_to_master_grad
-from .table import ParamTable, set_each
+from .columns import GRAD, NONES, set_each
+from .table import ParamTable
 
 __all__ = [
     "new_master",
@@ -22,8 +23,6 @@ __all__ = [
     "Masters",
 ]
 
-_grad = operator.attrgetter("grad")
-_NONES = itertools.repeat(None)
 _TENSOR_GRAD = torch.Tensor.grad  # the C-level attribute, under a deferring master's property
 
 
@@ -180,7 +179,7 @@ class Masters:
         without this O2 would not step)."""
         table = self.table
         table.take_outside_writes()
-        if all(map(operator.is_, map(_grad, table.models), _NONES)):
+        if all(map(operator.is_, map(GRAD, table.models), NONES)):
             return  # the usual case: scale_loss took them
         if self.deferred is not None:
             self.materialize()
@@ -195,7 +194,7 @@ class Masters:
         the gradients go (as after_step)."""
         self.table.mark()
         self.forget_deferred()
-        set_each(self.table.masters, "grad", _NONES)
+        set_each(self.table.masters, "grad", NONES)
 
     def after_step(self):
         """After the optimizer stepped the masters: the model takes their values (rounded to
@@ -210,11 +209,11 @@ class Masters:
         finally:
             torch._C._set_grad_enabled(grad_enabled)
         table.mark()
-        set_each(table.masters, "grad", _NONES)
+        set_each(table.masters, "grad", NONES)
 
     def drop_grads(self):
         self.forget_deferred()
-        set_each(self.table.masters, "grad", _NONES)
+        set_each(self.table.masters, "grad", NONES)
 
     def master_indices(self):
         """{index in the optimizer's state dict: (model param, master)} for every master."""

@@ -39,7 +39,7 @@ _BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
 _PARALLEL_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 
 
-def check_model(model, index, properties=None):
+def check_model(model, index, properties):
     """Raise apex's errors for a model amp cannot take (worded for `properties`' opt level);
     modifies nothing."""
     if not isinstance(model, torch.nn.Module):
@@ -65,8 +65,6 @@ def check_model(model, index, properties=None):
 
 
 def _what_the_level_does(properties):
-    if properties is None:
-        return "O2 and O3 cast it for you"
     level, cast = properties.opt_level, properties.cast_model_type
     if cast in LOW_PRECISION:
         return f"{level} casts it to {cast} for you"

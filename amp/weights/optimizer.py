@@ -22,7 +22,8 @@ from . import engines, optimizer_state
 from .grad_stash import GradientStash
 from .masters import Masters, master_for, match_state_to_params, new_master
 from .skip import SkipDecision
-from .table import ParamTable, set_each
+from .columns import set_each
+from .table import ParamTable
 
 __all__ = [
     "MASTER_PARAMS_KEY",

@@ -48,12 +48,11 @@ class Shadow:
     """One low-precision buffer (or, at O3, a parameter a state dict handed out) of `module`
     under `name`, and its FP32 copy."""
 
-    def __init__(self, module, name, is_param, fp32, transient=False, exact=False):
+    def __init__(self, module, name, is_param, fp32, exact=False):
         self.module = module
         self.name = name
         self.is_param = is_param
         self.fp32 = fp32
-        self.transient = transient  # made by a state dict at O3; dropped at the next forward
         # The low-precision tensor holds the FP32 values exactly: `fp32` is the original object
         # with its memory released, filled again (full) when the values are needed apart.
         self.exact = exact
@@ -239,7 +238,7 @@ class FP32StateDict:
         transients = shadows.transients.setdefault(owner, {})
         shadow = transients.get(name)
         if shadow is None or shadow.current() is not param:
-            shadow = transients[name] = Shadow(owner, name, True, param.detach().float(), True)
+            shadow = transients[name] = Shadow(owner, name, True, param.detach().float())
             shadow.mark()
         shadow.sync()
         return shadow.fp32.detach()

@@ -21,24 +21,17 @@ amp keeps one more table per `amp.initialize` for the cast parameters no optimiz
 master rows whose FP32 copy nothing steps, so that their exact FP32 values come back too.
 """
 
-import collections
-import itertools
 import operator
 
 import torch
 
 from ..casting.casts import LOW_PRECISION
 
-__all__ = ["set_each", "ParamTable"]
+__all__ = ["ParamTable"]
 
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
 _DATA = torch.Tensor.data_ptr
-
-
-def set_each(objects, name, values):
-    """setattr(object, name, value) pairwise at C level: no Python frame per parameter."""
-    collections.deque(map(setattr, objects, itertools.repeat(name), values), maxlen=0)
 
 
 class ParamTable:
@@ -97,10 +90,6 @@ class ParamTable:
     def clear_masters(self):
         self.models, self.masters, self.index = [], [], {}
         self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
-
-    def master_of(self, model_param):
-        row = self.index.get(id(model_param))
-        return None if row is None else self.masters[row]
 
     def mark(self):
         """amp (or a load) has just made every master row's two sides agree."""
