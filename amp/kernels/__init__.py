@@ -202,15 +202,14 @@ def l2_norm(tensors):
     return _backend(device).l2_norm(group)
 
 
-def check_(tensors, found_inf, *, inv_scale=None, inv_used=None):
+def check_(tensors, found_inf):
     """Set `found_inf` to 1 if any element of `tensors` (one device) is inf/NaN, as unscale_
-    does, writing nothing else; `inv_used` (if given) takes `inv_scale`'s value, in the same pass
-    (the inverse scale the checked gradients were scaled with, for a later fused step).
+    does, writing nothing else.
 
     Returns an object whose `tensors()` lists the indices of the tensors that held inf/NaN, read
     from the device when called (a sync on CUDA; amp asks only after a skipped step).
     """
-    return _backend(tensors[0].device).check_(tensors, found_inf, inv_scale, inv_used)
+    return _backend(tensors[0].device).check_(tensors, found_inf)
 
 
 def adam_step_(

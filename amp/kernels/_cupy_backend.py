@@ -151,7 +151,7 @@ class ChunkFlags:
         return sorted(found)
 
 
-def check_(tensors, found_inf, inv_scale=None, inv_used=None):
+def check_(tensors, found_inf):
     groups, rest = _grouped(tensors)
     index = tensors[0].device.index
     device = cuda.gpu(index)
@@ -164,7 +164,7 @@ def check_(tensors, found_inf, inv_scale=None, inv_used=None):
     flags = torch.empty(
         sum(count for _, count in chunks), dtype=torch.uint8, device=tensors[0].device
     )
-    first, used = 0, inv_used
+    first = 0
     for (dtype,), indices in groups.items():
         chosen = _pick(tensors, indices)
         numels = list(map(_numel, chosen))
@@ -174,21 +174,15 @@ def check_(tensors, found_inf, inv_scale=None, inv_used=None):
         cuda.run(
             f"amp_check<{_TYPE_NAMES[dtype]}>",
             launches,
-            (
-                found_inf.data_ptr(),
-                flags.data_ptr(),
-                0 if inv_scale is None else inv_scale.data_ptr(),
-                0 if used is None else used.data_ptr(),
-            ),
+            (found_inf.data_ptr(), flags.data_ptr()),
             index,
             first_chunk_argument=True,
         )
-        used = None  # copied by the first group's first launch
         first += sum(packed.chunks for packed in launches)
     checked_rest = None
     if rest:
         chosen = _pick(tensors, rest)
-        checked_rest = (rest, _torch_backend.check_(chosen, found_inf, inv_scale, used))
+        checked_rest = (rest, _torch_backend.check_(chosen, found_inf))
     return ChunkFlags(flags, chunks, checked_rest)
 
 

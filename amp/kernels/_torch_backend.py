@@ -169,11 +169,9 @@ class TensorFlags:
         return [index for index, bad in enumerate(self._flags.tolist()) if bad]
 
 
-def check_(tensors, found_inf, inv_scale=None, inv_used=None):
-    """found_inf = 1 if any element of `tensors` is inf/NaN, nothing else written; `inv_used`
-    takes `inv_scale`. Returns their TensorFlags."""
-    if inv_used is not None:
-        inv_used.copy_(inv_scale)
+def check_(tensors, found_inf):
+    """found_inf = 1 if any element of `tensors` is inf/NaN, nothing else written. Returns their
+    TensorFlags."""
     flags = torch.stack([torch.isfinite(t).all().logical_not() for t in tensors])
     found_inf.copy_(torch.maximum(found_inf, flags.any().to(found_inf.dtype)))
     return TensorFlags(flags)

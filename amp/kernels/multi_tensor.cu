@@ -409,16 +409,11 @@ amp_norm_finalize(const double* partial, long long count, float* out) {
 }
 
 // *found_inf = 1 if any element is inf/NaN, and chunk_bad[first_chunk + c] = whether chunk c of
-// this launch holds one (every chunk is written: nothing to clear); nothing else is written but
-// *inv_used = *inv by the first launch (the inverse scale of the checked gradients, kept for the
-// fused step while the scale update changes *inv).
+// this launch holds one (every chunk is written: nothing to clear); nothing else is written.
 template <typename T>
 __global__ void __launch_bounds__(amp::kBlock)
 amp_check(const AMP_GRID_CONSTANT amp::Meta<1> meta, float* found_inf, unsigned char* chunk_bad,
-          const float* inv, float* inv_used, long long first_chunk, long long chunk) {
-  if (inv_used != nullptr && first_chunk == 0 && blockIdx.x == 0 && threadIdx.x == 0) {
-    *inv_used = *inv;
-  }
+          long long first_chunk, long long chunk) {
   const int total = meta.chunk_start[meta.ntensors];
   bool any = false;
   for (int c = blockIdx.x; c < total; c += gridDim.x) {
@@ -539,9 +534,9 @@ template __global__ void amp_sum_squares<float>(const AMP_GRID_CONSTANT amp::Met
 template __global__ void amp_sum_squares<__half>(const AMP_GRID_CONSTANT amp::Meta<1>, double*, long long, long long);
 template __global__ void amp_sum_squares<__nv_bfloat16>(const AMP_GRID_CONSTANT amp::Meta<1>, double*, long long, long long);
 
-template __global__ void amp_check<float>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, unsigned char*, const float*, float*, long long, long long);
-template __global__ void amp_check<__half>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, unsigned char*, const float*, float*, long long, long long);
-template __global__ void amp_check<__nv_bfloat16>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, unsigned char*, const float*, float*, long long, long long);
+template __global__ void amp_check<float>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, unsigned char*, long long, long long);
+template __global__ void amp_check<__half>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, unsigned char*, long long, long long);
+template __global__ void amp_check<__nv_bfloat16>(const AMP_GRID_CONSTANT amp::Meta<1>, float*, unsigned char*, long long, long long);
 
 // G: the gradient's type; L: the low-precision weight's (float: none is written).
 #define AMP_STEP_KERNELS(G, L)                                                                                 \

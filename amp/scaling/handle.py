@@ -7,7 +7,6 @@ import torch
 
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import is_optimizer_like
-from . import finite_loss
 
 __all__ = ["scale_loss"]
 
@@ -200,13 +199,8 @@ class _ScaleLoss:
                 scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
             if not checked:
                 return False
-            finite_loss.check(self.loss, check)
             # Every rank takes the same skip decision, even when only one saw the overflow.
-            finite_loss.agree(check)
-            for record in amp_state.optimizers:  # the update changes the inverse scale in place:
-                if record.stash.frames:  # blocks still open keep the one they used
-                    record.stash.freeze_scale(scaler)
-            scaler.update(check)
+            scaler.update(check, self.loss)
             for record in records:
                 record.skips.add(check)
             return False

@@ -5,17 +5,7 @@ import math
 import torch
 
 from .._state import amp_state
-from ..weights.checks import (
-    FOUND,
-    FOUND_EFFECTIVE,
-    INV,
-    STATE_LENGTH,
-    TRACKER,
-    Check,
-    ScaleMirror,
-    new_state,
-    views,
-)
+from .checks import FLOAT32_MAX, INV, STATE_LENGTH, Check, HostScale, float32, new_state
 
 __all__ = [
     "DEFAULT_INIT_SCALE",
@@ -32,7 +22,6 @@ DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
 # The smallest normal float32. A dynamic scale never goes below it: 1 / scale stays finite, so a
 # scale that kept halving cannot reach 0 and turn clean gradients into 0 * inf = NaN.
 SCALE_FLOOR = 2.0**-126
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 _INT32_MAX = 2**31 - 1
 
 
@@ -42,13 +31,15 @@ class LossScaler:
     Dynamic: start at min(init_scale, max_loss_scale); on an overflow halve (never below
     min_loss_scale) and restart the count; after `growth_interval` consecutive clean updates
     double (never above max_loss_scale). A non-finite loss changes neither the scale nor the
-    count (finite_loss.py says why).
+    count (checks.py says why).
 
-    The device holds a small state on the device of the first loss scaled (weights/checks.py):
-    the inverse scale (losses are divided by it, gradients multiplied), the count, and the last
-    block's flags, so that an update is a few ops on the device and nothing waits for it. The
-    host knows the scale and count from its mirror, replayed from each block's check once the
-    copy of its results has arrived; `loss_scale()` waits for the copies not yet arrived.
+    The device holds a small state on the device of the first loss scaled (checks.py): the
+    inverse scale (losses are divided by it, gradients multiplied), the count, and a block's
+    flags, so that an update is a few ops on the device and nothing waits for it. Each checked
+    block's update runs on a state of its own, made from the last (open_check), so the inverse
+    scale a loss was scaled with is never written again. The host learns the scale and count from
+    each block's copy once it has arrived (checks.HostScale); `loss_scale()` waits for the copies
+    not yet arrived.
     """
 
     def __init__(
@@ -74,13 +65,14 @@ class LossScaler:
         # Where an update clamps the inverse scale: 1/max_loss_scale (without one, 2**-127, whose
         # inverse float32 still holds) and 1/floor.
         self._inv_bounds = (
-            _float32(1.0 / max_loss_scale) if max_loss_scale is not None else 2.0**-127,
-            _float32(1.0 / self._floor),
+            float32(1.0 / max_loss_scale) if max_loss_scale is not None else 2.0**-127,
+            float32(1.0 / self._floor),
         )
-        self._mirror = ScaleMirror(start, 0, growth_interval, self._floor, max_loss_scale)
-        self._state = None  # the device state (weights/checks.py), made on first use
-        self._inv = self._tracker = self._effective = self._views = None  # views of it
-        self._last = None  # the Check of the last unscaling block
+        self._host = HostScale(start, 0, growth_interval, self._floor, max_loss_scale)
+        # The device state (checks.py) the next block starts from, made on first use, and a view
+        # of its inverse scale (what losses are scaled by)
+        self._state = self._inv = None
+        self._keep = None  # on the state's device: the int32 mask that copies scale and count
         self._hosts = []  # host memory for the copies of the state, reused in turn
         self._host_checks = []  # the check whose copy each holds
         self._next_host = -1
@@ -92,22 +84,20 @@ class LossScaler:
 
     @property
     def growth_interval(self):
-        return self._mirror.growth_interval
+        return self._host.growth_interval
 
     @growth_interval.setter
     def growth_interval(self, value):
-        self._mirror.learn(wait=True)  # the updates made with the old interval are replayed first
-        self._mirror.growth_interval = value
+        self._host.read(wait=True)  # the updates made with the old interval are read first
+        self._host.growth_interval = value
 
     def _device_state(self, device):
-        if self._state is None:
-            mirror = self._mirror
-            state = self._state = new_state(_float32(1.0 / mirror.scale), mirror.unskipped, device)
-            self._inv = state[INV].view(torch.float32)
-            self._tracker = state[TRACKER]
-            self._effective = state[FOUND_EFFECTIVE].view(torch.float32)
-            self._views = views(state)
-        return self._state
+        host = self._host
+        state = self._state = new_state(host.inv, host.unskipped, device)
+        self._inv = state.view(torch.float32)[INV]
+        keep = torch.tensor([1, 1] + [0] * (STATE_LENGTH - 2), dtype=torch.int32)
+        self._keep = keep.to(device)
+        return state
 
     def scale(self, loss):
         """loss.float() * scale (dynamic: divided by the inverse, the same for a power of two)."""
@@ -119,8 +109,8 @@ class LossScaler:
         return loss.float() / inv
 
     def inv_scale(self, device):
-        """1 / scale as a float32 0-dim tensor on `device`. A dynamic scaler's is its live
-        state, which the next update changes in place."""
+        """1 / scale as a float32 0-dim tensor on `device`. A dynamic scaler's is a view of the
+        state the next block starts from, never written once a block has used it."""
         if not self.dynamic:
             inv = self._static_inv.get(device)
             if inv is None:
@@ -140,39 +130,43 @@ class LossScaler:
         return flag
 
     def open_check(self, loss_id, device):
-        """A Check for the block about to unscale: the state's flags cleared (one op). If an
-        optimizer still waits on the last block's, those are kept apart first."""
+        """A Check for the block about to unscale, on a state of its own: the last state's scale
+        and count, its flags cleared (one op). Its update then changes nothing an earlier block
+        or a step still to come holds."""
         state = self._state if self._state is not None else self._device_state(device)
-        last = self._last
-        if last is not None and last.holders:
-            last.freeze()
-        state[FOUND:].zero_()
-        check = self._last = Check(loss_id, self._mirror, state, self._views)
+        state = self._state = torch.mul(state, self._keep)
+        check = Check(loss_id, self._host, state)
+        self._inv = check.inv
         return check
 
-    def update(self, check):
+    def update(self, check, loss):
         """Back off or grow by what `check`'s block found, on the device; no sync. A non-finite
-        loss keeps scale and count: the overflow it caused is not counted (effective) and the
-        count the update adds is taken back first. Then the copy of the state to the host."""
-        effective, tracker, inv = self._effective, self._tracker, self._inv
-        torch.gt(check.found, check.bad, out=effective)
-        tracker.sub_(check.bad)
+        `loss` keeps scale and count (checks.py): the overflow it caused is not counted
+        (effective) and the count the update adds is taken back first. Every rank agrees on the
+        flags first. Then the copy of the state to the host."""
+        check.note_loss(loss)
+        check.agree()
+        inv, known = check.inv, self._host
+        torch.gt(check.found, check.bad, out=check.effective)
+        check.tracker.sub_(check.bad)
         # The scale's rule on its inverse: a back-off doubles it, a growth halves it.
-        mirror = self._mirror
-        torch._amp_update_scale_(inv, tracker, effective, 0.5, 2.0, mirror.growth_interval)
-        if mirror.may_reach_a_bound():  # else the clamp could change nothing: left out
+        torch._amp_update_scale_(
+            inv, check.tracker, check.effective, 0.5, 2.0, known.growth_interval
+        )
+        if known.may_reach_a_bound():  # else the clamp could change nothing: left out
             inv.clamp_(*self._inv_bounds)
         # Host memory for the copy: a few buffers reused in turn, the oldest once read.
         hosts = self._hosts
         if len(hosts) < _HOST_COPIES:
             host = torch.empty(STATE_LENGTH, dtype=torch.int32, pin_memory=inv.is_cuda)
+            host = (host, host.view(torch.float32))
             hosts.append(host)
             self._host_checks.append(check)
         else:
             slot = self._next_host = (self._next_host + 1) % _HOST_COPIES
             host = hosts[slot]
             if not self._host_checks[slot].learned:
-                mirror.learn(wait=True)  # a copy that old: read before it is overwritten
+                known.read(wait=True)  # a copy that old: read before it is overwritten
             self._host_checks[slot] = check
         check.post(host)
 
@@ -218,15 +212,14 @@ class LossScaler:
         reached the host (it waits for those still on their way)."""
         if not self.dynamic:
             return self._init_scale
-        self._mirror.learn(wait=True)
-        return self._mirror.scale
+        self._host.read(wait=True)
+        return self._host.scale
 
     def unskipped(self):
         """Clean updates since the scale last changed (0 for static scalers)."""
-        if not self.dynamic:
-            return self._mirror.unskipped
-        self._mirror.learn(wait=True)
-        return self._mirror.unskipped
+        if self.dynamic:
+            self._host.read(wait=True)
+        return self._host.unskipped
 
     def state_dict(self):
         # "dynamic" records the scaler's kind, so a load into the other kind is refused; apex's
@@ -240,21 +233,15 @@ class LossScaler:
     def load_state_dict(self, state):
         """Load an entry validated by `check_state` against this scaler (cannot fail)."""
         scale, unskipped = state["loss_scale"], state["unskipped"]
-        self._mirror.reset(scale, unskipped)
+        self._host.reset(scale, unskipped)
         if self.dynamic:
             self._static_inv = {}
-            if self._state is not None:
-                self._inv.fill_(_float32(1.0 / scale))
-                self._tracker.fill_(unskipped)
+            if self._state is not None:  # a new state: the old one may still be held
+                self._device_state(self._state.device)
         else:
             self._init_scale = scale
             self.is_identity = scale == 1.0
             self._static_inv = {}
-
-
-def _float32(value):
-    """`value` rounded to float32, as a Python float."""
-    return torch.tensor(value, dtype=torch.float32).item()
 
 
 _HOST_COPIES = 4  # copies of a scaler's state on their way to the host at most
@@ -281,18 +268,18 @@ def check_loss_scale(value, what):
     value = _number(value, what)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
-    if isinstance(value, int) and abs(value) > _FLOAT32_MAX:  # float(10**400) would overflow
+    if isinstance(value, int) and abs(value) > FLOAT32_MAX:  # float(10**400) would overflow
         raise ValueError(
             f"{what} must be a finite positive number that float32 holds: got an int of "
             f"{value.bit_length()} bits{', negative' if value < 0 else ''}, beyond float32's "
-            f"largest value {_FLOAT32_MAX!r}."
+            f"largest value {FLOAT32_MAX!r}."
         )
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
-    if not SCALE_FLOOR <= value <= _FLOAT32_MAX:
+    if not SCALE_FLOOR <= value <= FLOAT32_MAX:
         raise ValueError(
             f"{what} must be a finite positive number that float32 holds: {value!r} does not fit "
-            f"a float32 loss scale (from {SCALE_FLOOR!r} to {_FLOAT32_MAX!r})."
+            f"a float32 loss scale (from {SCALE_FLOOR!r} to {FLOAT32_MAX!r})."
         )
     return float(value)
 
@@ -348,7 +335,7 @@ def check_state(key, state, scaler=None):
             "static: its scale would be taken for this run's, unchecked. Initialize with "
             "loss_scale='dynamic' to continue from it, or leave the amp state out of the load."
         )
-    scale = torch.tensor(scale, dtype=torch.float32).item()  # what the scaler will hold
+    scale = float32(scale)  # what the scaler will hold
     # A static run resumed with loss_scale="dynamic" (as apex did): the dynamic scale starts at
     # the checkpoint's, within this scaler's bounds, and counts clean steps from zero. apex's
     # dicts carry no kind; a count past the growth interval shows a static one (it counted every

@@ -73,13 +73,12 @@ def _join(pairs):
 
 
 class _Frame:
-    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv", "identity", "frozen")
+    __slots__ = ("scaler", "delay", "taken", "copies", "done", "inv", "identity")
 
     def __init__(self, scaler, delay, inv, identity, taken, copies=()):
         self.scaler = scaler  # the loss scaler, compared by identity only
         self.delay = delay
-        self.inv = inv  # 1/scale the block's loss was scaled with: the scaler's, until it changes
-        self.frozen = False  # `inv` is this block's own copy
+        self.inv = inv  # 1/scale the block's loss was scaled with (never written again)
         self.identity = identity  # a static scale of 1.0: nothing to unscale or check
         self.taken = taken  # the gradients present when the block opened, taken out of `.grad`
         self.copies = copies  # or, continuing an accumulation, copies of those left in `.grad`
@@ -106,7 +105,7 @@ class GradientStash:
 
     def enter(self, scaler, delay_unscale, inv_scale, identity):
         """A block opens: its loss is scaled by `scaler`, whose 1/scale is `inv_scale` (a tensor
-        on the loss's device, which freeze_scale copies before an update changes it)."""
+        on the loss's device, which no update writes)."""
         record = self.record
         masters = record.masters
         if masters is not None and masters.deferred is not None:
@@ -121,13 +120,6 @@ class GradientStash:
             return
         taken = _take(record.grad_holders())
         self.frames.append(_Frame(scaler, delay_unscale, inv_scale, identity, taken))
-
-    def freeze_scale(self, scaler):
-        """`scaler` is about to change its inverse scale in place: open blocks scaled by it keep
-        a copy of the one they used."""
-        for frame in self.frames:
-            if frame.scaler is scaler and not frame.frozen:
-                frame.inv, frame.frozen = frame.inv.clone(), True
 
     def discard(self):
         """The block raised: the gradients are put back as they were when it opened."""

@@ -118,7 +118,7 @@ class Deferred:
 
     def __init__(self, models, masters, grads, inv_scale, flags):
         self.models, self.masters, self.grads = models, masters, grads
-        self.inv_scale = inv_scale  # 1/scale the gradients were scaled with: this one's own
+        self.inv_scale = inv_scale  # 1/scale the gradients were scaled with
         self.flags = flags  # kernels.check_'s: which of them held inf/NaN, asked on a skip
         self.by_master = dict(zip(map(id, masters), grads))
 
@@ -137,12 +137,11 @@ class Masters:
         self.fused = FusedStep(record)
 
     def defer(self, models, masters, grads, inv_scale, found_inf):
-        """scale_loss's exit with the CuPy kernels: check the gradients (found_inf), keep them
-        for the fused step with a copy of the inverse scale they were scaled with, taken in the
-        same pass (the live one changes at the exit's update, a later block's, or a load)."""
-        used = torch.empty((), dtype=torch.float32, device=inv_scale.device)
-        flags = kernels.check_(grads, found_inf, inv_scale=inv_scale, inv_used=used)
-        self.deferred = Deferred(models, masters, grads, used, flags)
+        """scale_loss's exit with the CuPy kernels: check the gradients (found_inf) and keep
+        them for the fused step with the inverse scale they were scaled with (no update writes
+        it: scaling/checks.py)."""
+        flags = kernels.check_(grads, found_inf)
+        self.deferred = Deferred(models, masters, grads, inv_scale, flags)
         set_each(masters, "__class__", itertools.repeat(self.deferring))
 
     def forget_deferred(self):

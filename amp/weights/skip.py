@@ -1,5 +1,5 @@
-"""Skipped steps: the checks of an optimizer's scale_loss blocks (checks.py), the decision to skip
-its step, and the report of a step that was skipped.
+"""Skipped steps: the checks of an optimizer's scale_loss blocks (scaling/checks.py), the decision
+to skip its step, and the report of a step that was skipped.
 
 The host decides where it knows, which costs no wait: when the copies of a step's checks have
 reached the host by the step (always on the CPU), it skips or steps on their values. Where they
@@ -32,22 +32,17 @@ class SkipDecision:
         self.waiting = []  # Checks the device decided on; to report once their copies arrive
 
     def add(self, check):
-        check.holders += 1
         self.pending.append(check)
 
     def drop(self):
         """zero_grad(): the gradients an overflow was found in are gone, and so is the reason to
         skip."""
-        for check in self.pending:
-            check.holders -= 1
         self.pending = []
 
     def take(self):
         """The pending checks, for the step about to run. A watched step (the one after a skip)
         ends here: its hooks go and its origin is found."""
         pending, self.pending = self.pending, []
-        for check in pending:
-            check.holders -= 1
         watch = amp_state.origin_watch
         if watch.armed:
             watch.settle(self.record, pending)
@@ -136,7 +131,7 @@ class SkipDecision:
                 clean = True
                 continue
             skipped = True
-            check.mirror.learn(wait=True, through=check)  # the scale after it
+            check.host_scale.read(wait=True, through=check)  # the scale after it
             origin = watch.origin_for(check)
             loss_finite = not check.bad_value
             params = tuple(names)

@@ -32,11 +32,11 @@ def apex_trajectory(overflows, init=2.0**16, window=2000, min_scale=None, max_sc
 
 
 def update(scaler, overflow=False, bad_loss=False):
-    """One update as a block's exit makes it: its flags set, then the update on the device."""
+    """One update as a block's exit makes it: the gradients' flag set by the unscale, then the
+    update on the device with the block's loss."""
     check = scaler.open_check(0, torch.device("cpu"))
-    check.found.fill_(float(overflow))
-    check.bad.fill_(int(bad_loss))
-    scaler.update(check)
+    check.found.fill_(float(overflow or bad_loss))
+    scaler.update(check, torch.tensor(float("inf") if bad_loss else 1.0))
     return check
 
 
@@ -138,10 +138,10 @@ def test_the_host_learns_a_block_from_its_copy_without_reading_the_device(monkey
     check = update(scaler, overflow=True)
     monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("a device read"))
     assert check.is_set() is True
-    check.found.fill_(0.0)  # the device state is reused by the next block
+    check.found.fill_(0.0)  # a write to the device state after the copy
     assert check.is_set() is True  # the host keeps what arrived
     assert scaler.loss_scale() == 32768.0 and scaler.unskipped() == 0
-    assert check.scale_after == 32768.0  # the mirror replayed it
+    assert check.scale_after == 32768.0  # learned from the inverse scale the device left
 
 
 def test_inverse_scale_follows_updates_and_loads():
