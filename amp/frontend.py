@@ -21,7 +21,6 @@ from .weights import model as model_module
 from .weights import optimizer as optimizer_module
 from .diagnostics import overflow
 from .weights.masters import match_state_to_params
-from .weights.skip import learn_all
 from .weights.snapshot import Snapshot
 
 __all__ = [
@@ -67,15 +66,6 @@ def _check_arguments(verbosity, num_losses, cast_model_outputs):
         raise ValueError(
             f"cast_model_outputs must be a floating torch.dtype or None; got {cast_model_outputs!r}."
         )
-
-
-def _parameter_names(models):
-    names = {}
-    for index, model in enumerate(models):
-        prefix = f"model{index}." if len(models) > 1 else ""
-        for name, param in model.named_parameters():
-            names.setdefault(id(param), prefix + name)
-    return names
 
 
 def _check_models_and_optimizers(models, optimizers, properties):
@@ -299,10 +289,8 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
                 id(p) for p in model_module.parameters_to_cast(model, keep_bn)
             )
     with_masters = amp_state.cast_params if properties.master_weights else set()
-    names = _parameter_names(models)
     amp_state.optimizers = [
-        optimizer_module.instrument(optimizer, with_masters, names, ledger)
-        for optimizer in optimizers
+        optimizer_module.instrument(optimizer, with_masters, ledger) for optimizer in optimizers
     ]
     if with_masters:
         engines.follow_ddp_broadcast(ledger)
@@ -356,7 +344,7 @@ def last_overflow() -> overflow.OverflowReport | None:
     A skip the host has not learned of yet (its flag still on its way from the device) is
     learned and reported first.
     """
-    learn_all(amp_state.optimizers)
+    optimizer_module.learn_skips()
     return overflow.last_overflow()
 
 

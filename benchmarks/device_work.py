@@ -22,7 +22,7 @@ with its tensors, and counts:
                non-capturable CUDA paths. So are reads of a tensor that `copy_(...,
                non_blocking=True)` filled (a copy into host memory, read once it has arrived:
                the copy is the launch, the read waits for nothing). amp's copies of its flags
-               (amp/scaling/checks.py) are taken as not arrived by the step after them, as on a
+               (amp/scaling/scaler.py) are taken as not arrived by the step after them, as on a
                GPU, which runs that far behind the host: where amp would then read the device,
                the read is counted.
 
@@ -231,7 +231,7 @@ def _storage_key(tensor):
 @contextlib.contextmanager
 def copies_in_flight():
     """amp's host copies of its flags have not arrived by the step after them (module doc)."""
-    from amp.scaling.checks import Check
+    from amp.scaling.scaler import Check
 
     arrived = Check.arrived
 

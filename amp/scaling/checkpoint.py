@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._state import amp_state, logger
-from ..weights.skip import learn_all
-from .scaler import check_state
+from ..weights.optimizer import learn_skips
+from .values import check_state
 
 __all__ = ["state_dict", "load_state_dict"]
 
@@ -26,7 +26,7 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     Plain Python values only (readable with ``torch.load(..., weights_only=True)``); apex's format.
     """
     _check_initialized("amp.state_dict()")
-    learn_all(amp_state.optimizers)  # the skips not learned yet are reported first
+    learn_skips()  # the skips not learned yet are reported first
     if destination is None:
         destination = collections.OrderedDict()
     for index, scaler in enumerate(amp_state.loss_scalers):

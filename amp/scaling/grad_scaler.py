@@ -291,7 +291,7 @@ def _check_options(init_scale, growth_factor, backoff_factor, growth_interval, e
 
 def _no_inf_checks(optimizer):
     record = getattr(optimizer, "__dict__", {}).get("_amp_record")
-    if record is not None and record.masters is not None:
+    if record is not None and record.table.models:
         return (
             "No inf checks were recorded for this optimizer: amp.initialize set it up with FP32 "
             "master weights (O2), whose gradients only amp.scale_loss fills. Use `with "

@@ -132,20 +132,6 @@ class _ScaleLoss:
                 f"amp.scale_loss: loss_id={loss_id!r} is out of range; amp.initialize was called "
                 f"with num_losses={len(scalers)}, so use 0 to {len(scalers) - 1}."
             ) from None
-        delay_unscale = self.delay_unscale
-        for record in records:
-            stash = record.stash
-            if not stash.frames and stash.scaled_by is None:
-                continue  # nothing scaled waits: no conflict (the usual case, without a call)
-            theirs = stash.conflict(scaler, delay_unscale)
-            if theirs is not None:
-                raise RuntimeError(
-                    f"amp.scale_loss(loss_id={loss_id}): the gradients of this optimizer are "
-                    f"scaled by loss scaler {scalers.index(theirs)} (an enclosing block, or a "
-                    "block with delay_unscale=True), and the sum of gradients scaled by two "
-                    "different scales cannot be unscaled. Accumulate with one loss_id, or "
-                    "unscale (a block with delay_unscale=False) before changing it."
-                )
         # The forward pass is over. Autograd keeps the weight casts its backward needs and frees
         # each as soon as it has been used; the cache holding them all through backward would
         # only raise the peak memory (and slow the backward's allocations).
@@ -153,19 +139,25 @@ class _ScaleLoss:
             amp_state.cast_cache.clear()
         if amp_state.origin_watch.armed:
             amp_state.origin_watch.note_loss(self.loss)
-        for record in records:
-            if record.skips.waiting:  # a skip whose results arrived since: reported now
-                record.skips.poll()
+        delay_unscale = self.delay_unscale
         entered = []
         try:
             inv_scale = scaler.inv_scale(self.loss.device)
-            for record in records:
-                record.stash.enter(scaler, delay_unscale, inv_scale, scaler.is_identity)
-                entered.append(record)
             scaled = scaler.scale(self.loss)
+            for record in records:
+                theirs = record.open_block(scaler, delay_unscale, inv_scale, scaler.is_identity)
+                if theirs is not None:
+                    raise RuntimeError(
+                        f"amp.scale_loss(loss_id={loss_id}): the gradients of this optimizer are "
+                        f"scaled by loss scaler {scalers.index(theirs)} (an enclosing block, or a "
+                        "block with delay_unscale=True), and the sum of gradients scaled by two "
+                        "different scales cannot be unscaled. Accumulate with one loss_id, or "
+                        "unscale (a block with delay_unscale=False) before changing it."
+                    )
+                entered.append(record)
         except BaseException:
             for record in entered:
-                record.stash.discard()
+                record.drop_block()
             amp_state.cast_cache.clear()
             raise
         self.records, self.scaler = records, scaler
@@ -179,13 +171,14 @@ class _ScaleLoss:
         try:
             if exc_type is not None:
                 for record in records:
-                    record.stash.discard()
+                    record.drop_block()
                 return False
             # The block exited normally: unscale, check, and let the scale follow.
             scaler = self.scaler
             delay_unscale = self.delay_unscale
             checked = scaler.dynamic and not (delay_unscale or self.delay_overflow_check)
             device = self.loss.device
+            check = None
             if delay_unscale:
                 found = None
             elif checked:
@@ -194,15 +187,12 @@ class _ScaleLoss:
             else:
                 found = scaler.scratch_flag(device)  # static scales never skip
             for record in records:
-                record.stash.commit(found)
+                record.close_block(found, check)
             if not delay_unscale and not scaler.dynamic:
                 scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
-            if not checked:
-                return False
-            # Every rank takes the same skip decision, even when only one saw the overflow.
-            scaler.update(check, self.loss)
-            for record in records:
-                record.skips.add(check)
+            if checked:
+                # Every rank takes the same skip decision, even when only one saw the overflow.
+                scaler.update(check, self.loss)
             return False
         finally:
             if amp_state.cast_cache.filled:

@@ -1,28 +1,50 @@
-"""LossScaler: static or dynamic loss scaling, with the scale and its updates kept on the device."""
+"""LossScaler: static or dynamic loss scaling, the dynamic scale kept on the device.
 
+A dynamic scale lives in five int32 words on the device (the float ones read through float32
+views): the inverse scale, the count of clean steps, and for one block whether its gradients held
+inf/NaN, whether its loss did, and whether the overflow counts. Each checked scale_loss block gets
+a state of its own (`Check`), made from the last one in the op that clears its flags, and the
+update writes only that one: the inverse scale a loss was scaled with is never written again, so
+whatever still holds it (a block still open, gradients kept for the step) keeps it without a copy.
+
+A non-finite loss skips the step but keeps the scale: halving it when the loss itself is inf or
+NaN cannot help, and step after step ruins the scale for when the loss is finite again (apex's
+"scale spiral": 65536 down to 6e-05 in 30 steps). So a block also leaves whether its loss was
+finite, and the update ignores the overflow of a block whose loss was not.
+
+After the update the block's state is copied into host memory without waiting (behind a CUDA
+event); the host reads the copy once it has arrived (on the CPU at once) and learns the flags and
+the scale and count the device left (`HostScale`), without replaying the rule. `Check.is_set`
+(the general path, which must decide on the host whether to call the optimizer) reads the device
+flag, a sync on CUDA.
+"""
+
+import collections
 import math
+import struct
 
 import torch
 
-from .._state import amp_state
-from .checks import FLOAT32_MAX, INV, STATE_LENGTH, Check, HostScale, float32, new_state
+from .. import distributed
+from ..weights.optimizer import holds_scaled
+from .values import SCALE_FLOOR, check_count, check_loss_scale, float32
 
 __all__ = [
     "DEFAULT_INIT_SCALE",
     "DEFAULT_GROWTH_INTERVAL",
-    "SCALE_FLOOR",
     "LossScaler",
-    "check_loss_scale",
-    "check_count",
-    "check_state",
+    "Check",
+    "HostScale",
+    "STATE_LENGTH",
+    "INV",
+    "TRACKER",
+    "FOUND",
+    "BAD",
+    "FOUND_EFFECTIVE",
 ]
 
 DEFAULT_INIT_SCALE = 2.0**16
 DEFAULT_GROWTH_INTERVAL = 2000  # apex's scale_window
-# The smallest normal float32. A dynamic scale never goes below it: 1 / scale stays finite, so a
-# scale that kept halving cannot reach 0 and turn clean gradients into 0 * inf = NaN.
-SCALE_FLOOR = 2.0**-126
-_INT32_MAX = 2**31 - 1
 
 
 class LossScaler:
@@ -30,16 +52,9 @@ class LossScaler:
 
     Dynamic: start at min(init_scale, max_loss_scale); on an overflow halve (never below
     min_loss_scale) and restart the count; after `growth_interval` consecutive clean updates
-    double (never above max_loss_scale). A non-finite loss changes neither the scale nor the
-    count (checks.py says why).
-
-    The device holds a small state on the device of the first loss scaled (checks.py): the
-    inverse scale (losses are divided by it, gradients multiplied), the count, and a block's
-    flags, so that an update is a few ops on the device and nothing waits for it. Each checked
-    block's update runs on a state of its own, made from the last (open_check), so the inverse
-    scale a loss was scaled with is never written again. The host learns the scale and count from
-    each block's copy once it has arrived (checks.HostScale); `loss_scale()` waits for the copies
-    not yet arrived.
+    double (never above max_loss_scale); a non-finite loss changes neither. The state lives on
+    the device of the first loss scaled (losses are divided by its inverse scale, gradients
+    multiplied); `loss_scale()` waits for the copies of it not yet arrived.
     """
 
     def __init__(
@@ -69,8 +84,8 @@ class LossScaler:
             float32(1.0 / self._floor),
         )
         self._host = HostScale(start, 0, growth_interval, self._floor, max_loss_scale)
-        # The device state (checks.py) the next block starts from, made on first use, and a view
-        # of its inverse scale (what losses are scaled by)
+        # The device state the next block starts from, made on first use, and a view of its
+        # inverse scale (what losses are scaled by)
         self._state = self._inv = None
         self._keep = None  # on the state's device: the int32 mask that copies scale and count
         self._hosts = []  # host memory for the copies of the state, reused in turn
@@ -141,11 +156,17 @@ class LossScaler:
 
     def update(self, check, loss):
         """Back off or grow by what `check`'s block found, on the device; no sync. A non-finite
-        `loss` keeps scale and count (checks.py): the overflow it caused is not counted
-        (effective) and the count the update adds is taken back first. Every rank agrees on the
-        flags first. Then the copy of the state to the host."""
-        check.note_loss(loss)
-        check.agree()
+        `loss` keeps scale and count: the overflow it caused is not counted (effective) and the
+        count the update adds is taken back first. Every rank agrees on the flags first (one
+        collective, none in one process). Then the copy of the state to the host."""
+        zero = loss.detach() * 0  # NaN exactly where the loss is not finite
+        if zero.dim() or zero.device != check.bad.device:  # a loss of shape (1,), another device
+            zero = zero.sum().to(check.bad.device)
+        torch.ne(zero, 0, out=check.bad)
+        if distributed.is_distributed():
+            # Both words are 0 or positive (the bits of 0.0 / 1.0, and 0 / 1): MAX over the
+            # int32 words is MAX over their values.
+            distributed.reduce_flag(check.state[FOUND : BAD + 1])
         inv, known = check.inv, self._host
         torch.gt(check.found, check.bad, out=check.effective)
         check.tracker.sub_(check.bad)
@@ -199,7 +220,7 @@ class LossScaler:
     def check_can_change(self, what):
         """Raise if gradients scaled by this scaler wait to be unscaled: they would be unscaled
         with the new scale. Changes nothing."""
-        if any(record.stash.holds(self) for record in amp_state.optimizers):
+        if holds_scaled(self):
             raise RuntimeError(
                 f"{what}: the loss scale cannot change while gradients scaled by it wait to be "
                 "unscaled (inside amp.scale_loss, or between blocks with delay_unscale=True); they "
@@ -208,8 +229,8 @@ class LossScaler:
             )
 
     def loss_scale(self):
-        """The current scale as a float: the host's mirror, once every update's results have
-        reached the host (it waits for those still on their way)."""
+        """The current scale as a float, once every update's results have reached the host (it
+        waits for those still on their way)."""
         if not self.dynamic:
             return self._init_scale
         self._host.read(wait=True)
@@ -244,129 +265,153 @@ class LossScaler:
             self._static_inv = {}
 
 
+STATE_LENGTH = 5
+INV, TRACKER, FOUND, BAD, FOUND_EFFECTIVE = range(STATE_LENGTH)
 _HOST_COPIES = 4  # copies of a scaler's state on their way to the host at most
 
 
-def _number(value, what):
-    """A Python number from `value` (a number, a NumPy scalar or a one-element tensor), or a
-    clear error."""
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(
-                f"{what} must be a finite positive number, not a tensor of shape "
-                f"{tuple(value.shape)}; expected a number (or a one-element tensor)."
-            )
-        value = value.item()
-    return value
+def new_state(inv_scale, unskipped, device):
+    """A scaler's first device state, from the host's inverse scale and count; flags cleared."""
+    (inv_bits,) = struct.unpack("<i", struct.pack("<f", float32(inv_scale)))
+    words = [inv_bits, unskipped] + [0] * (STATE_LENGTH - 2)
+    return torch.tensor(words, dtype=torch.int32).to(device)
 
 
-def check_loss_scale(value, what):
-    """`value` as a float if it is a loss scale a float32 holds as a normal number (the range
-    every scale amp keeps lies in); else a ValueError naming `what`. Changes nothing."""
-    value = _number(value, what)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
-    if isinstance(value, int) and abs(value) > FLOAT32_MAX:  # float(10**400) would overflow
-        raise ValueError(
-            f"{what} must be a finite positive number that float32 holds: got an int of "
-            f"{value.bit_length()} bits{', negative' if value < 0 else ''}, beyond float32's "
-            f"largest value {FLOAT32_MAX!r}."
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{what} must be a finite positive number; got {value!r}.")
-    if not SCALE_FLOOR <= value <= FLOAT32_MAX:
-        raise ValueError(
-            f"{what} must be a finite positive number that float32 holds: {value!r} does not fit "
-            f"a float32 loss scale (from {SCALE_FLOOR!r} to {FLOAT32_MAX!r})."
-        )
-    return float(value)
+class Check:
+    """One unscaling block of a dynamic scaler: its device state (views of each word), and the
+    host's values once the copy of that state has arrived (`learned`)."""
 
-
-def check_count(value, what, scaler=None):
-    """`value` as an int if it is a count of clean steps `scaler` can hold, else a ValueError
-    naming `what`; changes nothing. A dynamic scaler's count stays below its growth interval (it
-    restarts there; one above would never grow the scale and would run past int32); any count
-    fits int32."""
-    count = _number(value, what)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"{what} must be a non-negative int; got {value!r}.")
-    if count > _INT32_MAX:
-        raise ValueError(
-            f"{what} = {count} does not fit the int32 count of clean steps (at most "
-            f"{_INT32_MAX}); a count that large cannot come from training."
-        )
-    if scaler is not None and scaler.dynamic and count >= scaler.growth_interval:
-        raise ValueError(
-            f"{what} = {count}: a dynamic loss scaler counts clean steps up to its growth "
-            f"interval ({scaler.growth_interval}), where it doubles the scale and restarts from "
-            f"0; expected 0 to {scaler.growth_interval - 1}."
-        )
-    return count
-
-
-def check_state(key, state, scaler=None):
-    """The entry `state` ({"loss_scale", "unskipped"}) as it will be stored, or a clear error.
-
-    Every value must fit the float32 / int32 tensors it is written into, so that loading cannot
-    fail half-way. Given the `scaler` it is for, a static scaler accepts only its own scale: a
-    static scale is configuration, and a checkpoint's other value (a dynamic run's 65536 into
-    O3's 1.0) would be applied unchecked.
-    """
-    if not isinstance(state, dict):
-        raise TypeError(
-            f"amp.load_state_dict: entry {key!r} must be a dict with keys 'loss_scale' and "
-            f"'unskipped'; got {type(state).__name__}."
-        )
-    missing = {"loss_scale", "unskipped"} - set(state)
-    if missing:
-        raise ValueError(f"amp.load_state_dict: entry {key!r} lacks {sorted(missing)}.")
-    scale = check_loss_scale(state["loss_scale"], f"amp.load_state_dict: {key!r}['loss_scale']")
-    unskipped = check_count(state["unskipped"], f"amp.load_state_dict: {key!r}['unskipped']")
-    dynamic = state.get("dynamic")
-    if dynamic is not None and not isinstance(dynamic, bool):
-        raise ValueError(
-            f"amp.load_state_dict: {key!r}['dynamic'] must be True or False; got {dynamic!r}."
-        )
-    if scaler is not None and dynamic and not scaler.dynamic:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r} comes from a dynamic loss scaler, but this run's is "
-            "static: its scale would be taken for this run's, unchecked. Initialize with "
-            "loss_scale='dynamic' to continue from it, or leave the amp state out of the load."
-        )
-    scale = float32(scale)  # what the scaler will hold
-    # A static run resumed with loss_scale="dynamic" (as apex did): the dynamic scale starts at
-    # the checkpoint's, within this scaler's bounds, and counts clean steps from zero. apex's
-    # dicts carry no kind; a count past the growth interval shows a static one (it counted every
-    # pass), while a dynamic scaler restarts its count there.
-    from_static = (
-        scaler is not None
-        and scaler.dynamic
-        and (dynamic is False or (dynamic is None and unskipped >= scaler.growth_interval))
+    __slots__ = (
+        "loss_id",
+        "host_scale",
+        "state",
+        "inv",
+        "tracker",
+        "found",
+        "bad",
+        "effective",
+        "host",
+        "event",
+        "learned",
+        "found_value",
+        "bad_value",
+        "inv_value",
+        "unskipped_value",
+        "reported",
     )
-    if from_static:
-        low, high = scaler.min_loss_scale, scaler.max_loss_scale
-        if not ((low is None or low <= scale) and (high is None or scale <= high)):
-            raise ValueError(
-                f"amp.load_state_dict: {key!r} holds the static loss scale {scale}, outside "
-                f"min_loss_scale={low} and max_loss_scale={high} of this dynamic scaler. Pass "
-                "bounds that include it to amp.initialize, or leave the amp state out of the load."
-            )
-        unskipped = 0
-    elif scaler is not None:
-        check_count(unskipped, f"amp.load_state_dict: {key!r}['unskipped']", scaler)
-    if scaler is not None and not scaler.dynamic and scale != scaler._init_scale:
-        raise ValueError(
-            f"amp.load_state_dict: {key!r} has loss scale {scale}, but this run uses the static "
-            f"loss scale {scaler._init_scale}, which a checkpoint never replaces ("
-            + (
-                "the checkpoint comes from a static run with another scale"
-                if dynamic is False
-                else "the checkpoint does not say whether its scaler was static or dynamic"
-            )
-            + "). To continue with the checkpoint's scale, call "
-            f"amp.initialize(..., loss_scale='dynamic') or loss_scale={scale}; or leave the amp "
-            "state out of the load."
+
+    def __init__(self, loss_id, host_scale, state):
+        self.loss_id = loss_id
+        self.host_scale = host_scale  # its scaler's HostScale, which learns the scale from it
+        self.state = state
+        floats = state.view(torch.float32)
+        self.inv, self.found, self.effective = floats[INV], floats[FOUND], floats[FOUND_EFFECTIVE]
+        self.tracker, self.bad = state[TRACKER], state[BAD]
+        self.host = self.event = None
+        self.learned = False
+        self.found_value = self.bad_value = self.inv_value = self.unskipped_value = None
+        self.reported = False
+
+    def post(self, host):
+        """Start the copy of the state (after the update) into `host` (int32 host memory, and
+        its float32 view); no wait. On the CPU it has arrived at once: read."""
+        host[0].copy_(self.state, non_blocking=True)
+        self.host = host
+        self.host_scale.unread.append(self)
+        if self.state.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.arrived()
+
+    def arrived(self, wait=False):
+        """Read the host copy if it has arrived (waiting for it if `wait`): True once read."""
+        if self.learned:
+            return True
+        event = self.event
+        if event is not None and not event.query():
+            if not wait:
+                return False
+            event.synchronize()
+        words, floats = self.host[0].tolist(), self.host[1].tolist()  # host memory: no wait
+        self.found_value = words[FOUND] != 0  # the bits of 0.0 or 1.0
+        self.bad_value = words[BAD] != 0
+        self.inv_value, self.unskipped_value = floats[INV], words[TRACKER]
+        self.learned = True
+        return True
+
+    def is_set(self):
+        """Whether the gradients held inf/NaN: from the host copy if it has arrived, else read
+        from the device (a sync on CUDA)."""
+        if self.arrived():
+            return self.found_value
+        return bool(self.found.item())
+
+    @property
+    def scale_after(self):
+        """The scale the device left after this block's update (its copy must have arrived)."""
+        return self.host_scale.scale_of(self.inv_value)
+
+
+class HostScale:
+    """What the host knows of a dynamic scaler's scale and count of clean steps: the inverse
+    scale and count of the last check whose copy it read (the state's first before any), and the
+    checks posted since."""
+
+    def __init__(self, scale, unskipped, growth_interval, floor, ceiling):
+        self.growth_interval = growth_interval
+        self.unread = collections.deque()
+        self._inv_floor = float32(1.0 / floor)  # where a back-off clamps the inverse scale
+        # The device only doubles, halves and clamps the inverse scale: every value it holds is
+        # an anchor's times a power of two, the anchors being the one it started from and the
+        # clamps' (scale_of).
+        bounds = [(floor, self._inv_floor)]
+        if ceiling is not None:
+            bounds.append((ceiling, float32(1.0 / ceiling)))
+        self._bounds = bounds
+        self.reset(scale, unskipped)
+
+    @property
+    def scale(self):
+        """The scale after the last check read."""
+        return self.scale_of(self.inv)
+
+    def scale_of(self, inv):
+        """The scale whose inverse the device holds as `inv`, exactly as the host would write it:
+        an anchor's scale times the power of two between the inverses."""
+        for scale, anchor in self._anchors:
+            ratio = anchor / inv
+            if math.frexp(ratio)[0] == 0.5:
+                return scale * ratio
+        return 1.0 / inv
+
+    def read(self, wait, through=None):
+        """Read the posted checks in order, up to `through` (all if None); stops at one whose copy
+        has not arrived unless `wait`. True when `through` (or every check) is read."""
+        unread = self.unread
+        while unread:
+            check = unread[0]
+            if not check.arrived(wait):
+                return False
+            self.inv, self.unskipped = check.inv_value, check.unskipped_value
+            unread.popleft()
+            if check is through:
+                return True
+        return through is None or through.learned
+
+    def may_reach_a_bound(self):
+        """Whether the next update could take the scale past a bound, given what has not arrived
+        yet: a growth (only when the count could reach the interval) or backoffs to the floor.
+        Reads what has arrived first."""
+        self.read(wait=False)
+        pending = len(self.unread)
+        return (
+            self.unskipped + pending + 1 >= self.growth_interval
+            or self.inv * 2.0 ** (pending + 1) > self._inv_floor
         )
-    return {"loss_scale": scale, "unskipped": int(unskipped), "from_static": from_static}
+
+    def reset(self, scale, unskipped):
+        """A load or a write of the scale (or the start): every check is read first."""
+        self.read(wait=True)
+        self.inv, self.unskipped = float32(1.0 / scale), unskipped
+        self._anchors = [(scale, self.inv)] + self._bounds

@@ -16,6 +16,7 @@ import torch
 
 from .._state import amp_state
 from ..distributed import clean_name, dtensor_class, has_dtensors
+from .table import find
 
 __all__ = ["check_engines", "anchor", "check_places", "follow_masters", "follow_ddp_broadcast"]
 
@@ -80,7 +81,7 @@ def anchor(records, models):
     add_param_group): a step checks that they are still there."""
     places = _places(models)
     for record in records:
-        record.table.anchor(record.stepped_params(), places)
+        record.anchor(places)
 
 
 def check_places(table, caller):
@@ -177,8 +178,7 @@ def _with_masters(original):
         params_and_buffers_to_ignore,
         broadcast_buffers=True,
     ):
-        tables = amp_state.tables
-        for table in tables:  # each rank's own writes first: its master and model agree
+        for table in amp_state.tables:  # each rank's own writes first: master and model agree
             table.take_outside_writes()
         original(
             module,
@@ -192,9 +192,9 @@ def _with_masters(original):
         for name, param in module.named_parameters():
             if name in params_and_buffers_to_ignore:
                 continue
-            table = next((t for t in tables if id(param) in t.index), None)
+            table, row = find(param, amp_state.tables)
             if table is not None:
-                rows.append((table, table.index[id(param)]))
+                rows.append((table, row))
         if rows:
             masters = [table.masters[row].detach() for table, row in rows]
             torch.distributed._broadcast_coalesced(

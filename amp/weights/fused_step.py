@@ -15,9 +15,11 @@ It applies where it computes what the optimizer's own step would (kernels.adam_s
 which precision): the exact classes, no amsgrad, maximize, capturable or differentiable, float
 hyperparameters, no step hooks, state made by an earlier step (the first step is the
 optimizer's own, which makes it), dense gradients on one device, real (not complex)
-parameters. Anything else takes the general path. The hyperparameters are read from
-`param_groups` at every step (schedulers, `add_param_group`); the user's `foreach` / `fused`
-flags choose an implementation of the same update, so they take the fused step too.
+parameters. Anything else takes the general path. `plan` says which, once per step, and `run`
+carries a plan out. The hyperparameters are read from `param_groups` at every step (schedulers,
+`add_param_group`); the user's `foreach` / `fused` flags choose an implementation of the same
+update, so they take the fused step too. `AMP_FUSED_STEP=0` in the environment at
+`amp.initialize` turns it off (every step the optimizer's own).
 """
 
 import itertools
@@ -85,24 +87,25 @@ def _sgd_options(group):
 
 
 _OPTIONS = {"adam": _adam_options, "sgd": _sgd_options}
+_STATELESS = object()  # FusedStep._call: a row's state is not made yet
+NO_ROW = itertools.repeat(-1)  # dict.get's default for a parameter that is no master
 
 
 class FusedStep:
-    """The fused master step of one optimizer's record (O2)."""
+    """The fused master step of one optimizer (O2): `kind` is "adam", "sgd" or None (never)."""
 
-    def __init__(self, record):
-        self.record = record
-        self.kind = False  # "adam", "sgd" or None once known (the record's methods come later)
+    def __init__(self, optimizer, step):
+        self.kind = _kind(optimizer, step)
+        # The last plan found no state to step (the optimizer's own step makes it): the next
+        # step may well be fused.
+        self.stateless = False
 
-    def plan(self):
-        """[(options, params, models or None)] per parameter group (models: each master's model
-        parameter, None for a plain parameter; None for a group of plain parameters), or None
-        where the fused step does not apply now. Constant Python calls per group."""
-        if self.kind is False:
-            self.kind = _kind(self.record.optimizer, self.record.originals["step"])
-        if self.kind is None:
-            return None
-        optimizer = self.record.optimizer
+    def plan(self, optimizer, table, deferred):
+        """The kernel calls of this step, or None where the fused step does not apply now (the
+        general path). `table`: the optimizer's (which parameters are masters, of which model
+        parameters); `deferred` (a deferral.Deferred or None): the masters' gradients kept in
+        low precision, else their `.grad` are read. Constant Python calls per group."""
+        self.stateless = False
         if (
             optimizer._optimizer_step_pre_hooks
             or optimizer._optimizer_step_post_hooks
@@ -110,48 +113,47 @@ class FusedStep:
             or torch_optimizer._global_optimizer_post_hooks
         ):
             return None
-        table = self.record.table
-        model_of = dict(zip(map(id, table.masters), table.models))
         options_of = _OPTIONS[self.kind]
-        plan = []
+        state = optimizer.state
+        rows_of, low = table.master_index, [*table.models, None]  # low[-1]: no master row
+        calls = []
         for group in optimizer.param_groups:
             options = options_of(group)
             if options is None:
                 return None
             params = group["params"]
-            models = list(map(model_of.get, map(id, params)))
+            models = list(map(low.__getitem__, map(rows_of.get, map(id, params), NO_ROW)))
             # A group of masters and plain parameters (batch norm's, kept FP32) is one call.
-            plan.append(
-                (options, params, models if any(map(operator.is_not, models, NONES)) else None)
-            )
-        return plan
-
-    def run(self, plan, found_inf, deferred=None):
-        """One fused step by `plan` (with `deferred` gradients of the masters, if any), skipped on
-        the device where `found_inf` is set. False, changing nothing, if some state is not
-        there yet (the first step is the optimizer's own)."""
-        calls = []
-        for options, params, models in plan:
-            if deferred is not None and models is not None:
-                rows = self._deferred_rows(params, models, deferred)
+            if not any(map(operator.is_not, models, NONES)):
+                rows = ((params, None, list(map(GRAD, params)), None),)
+            elif deferred is not None:
+                rows = _deferred_rows(params, models, deferred)
             else:
                 rows = ((params, models, list(map(GRAD, params)), None),)
-            for params, models, grads, inv_scale in rows:
-                call = self._call(options, params, models, grads, inv_scale)
-                if call is False:
-                    return False
-                if call is not None:
-                    calls.append(call)
+            for row in rows:
+                call = self._call(state, options, *row)
+                if call is None:
+                    continue
+                if call is False or call is _STATELESS:
+                    self.stateless = call is _STATELESS
+                    return None
+                calls.append(call)
+        return calls
+
+    def run(self, calls, found_inf):
+        """Carry out a plan, skipped on the device where `found_inf` is set."""
         step = kernels.adam_step_ if self.kind == "adam" else kernels.sgd_step_
         # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            for options, grads, params, models, state, inv_scale in calls:
+            for options, grads, params, models, tensors, inv_scale, states in calls:
+                if states is not None:  # torch's CPU step counts: moved once (_state)
+                    tensors = (*tensors[:2], _steps_on(params, states))
                 step(
                     grads,
                     params,
-                    *state,
+                    *tensors,
                     models,
                     inv_scale=inv_scale,
                     found_inf=found_inf,
@@ -159,11 +161,11 @@ class FusedStep:
                 )
         finally:
             torch._C._set_grad_enabled(grad_enabled)
-        return True
 
-    def _call(self, options, params, models, grads, inv_scale):
+    def _call(self, state, options, params, models, grads, inv_scale):
         """The arguments of one kernel call for these rows; None if none has a gradient, False
-        if the fused step cannot take them (the general path) or some state is not there yet."""
+        if the fused step cannot take them (the general path), _STATELESS if some state is not
+        there yet."""
         if not all(map(operator.is_not, grads, NONES)):  # parameters without a gradient
             present = list(map(operator.is_not, grads, NONES))
             if not any(present):
@@ -173,49 +175,51 @@ class FusedStep:
             models = None if models is None else list(itertools.compress(models, present))
         if any(map(IS_SPARSE, grads)) or any(map(torch.is_complex, params)):
             return False  # torch's fused ops and the kernels take neither: the general path
-        state = self._state(params, options)
-        if state is None:
-            return False
-        return options, grads, params, models, state, inv_scale
+        found = self._state(state, params, options)
+        if found is None:
+            return _STATELESS
+        tensors, moved = found
+        return options, grads, params, models, tensors, inv_scale, moved
 
-    @staticmethod
-    def _deferred_rows(params, models, deferred):
-        """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are
-        deferred (low precision, still scaled): the masters' rows, and the plain parameters'
-        apart."""
-        if all(map(operator.is_not, models, NONES)):
-            return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
-        present = list(map(operator.is_not, models, NONES))
-        masters = list(itertools.compress(params, present))
-        master_models = list(itertools.compress(models, present))
-        plain = [param for param, model in zip(params, models) if model is None]
-        return (
-            (masters, master_models, deferred.grads_of(masters), deferred.inv_scale),
-            (plain, None, list(map(GRAD, plain)), None),
-        )
-
-    def _state(self, params, options):
-        """The state lists of `params` for the kernel, or None if a step has not made them yet."""
+    def _state(self, state, params, options):
+        """(the state lists of `params` for the kernel, their state dicts where the step counts
+        must move to the device first, else None), or None if a step has not made them yet."""
         if self.kind == "sgd" and options["momentum"] == 0:
-            return ([],)  # no state to keep
-        states = list(map(self.record.optimizer.state.get, params))
+            return ([],), None  # no state to keep
+        states = list(map(state.get, params))
         try:
             if self.kind == "adam":
                 steps = list(map(_STEP, states))
-                if steps and steps[0].device != params[0].device:  # torch's CPU step counts
-                    steps = self._steps_on(params, states)
-                return list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states)), steps
+                tensors = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states)), steps
+                # torch's non-capturable foreach and for-loop paths keep step counts on the host
+                moved = states if steps and steps[0].device != params[0].device else None
+                return tensors, moved
             buffers = list(map(_BUFFER, states))
         except (KeyError, TypeError):  # no state yet (None), or one without the key
             return None
         if not all(map(operator.is_not, buffers, NONES)):
             return None
-        return (buffers,)
+        return (buffers,), None
 
-    @staticmethod
-    def _steps_on(params, states):
-        """Move step counts kept on the host (torch's non-capturable foreach and for-loop paths
-        keep them there) to the parameters' device, once: the kernel counts them there."""
-        for param, state in zip(params, states):
-            state["step"] = state["step"].to(param.device)
-        return list(map(_STEP, states))
+
+def _deferred_rows(params, models, deferred):
+    """[(params, models, gradients, inv_scale)] of a group whose masters' gradients are kept low
+    precision and still scaled: the masters' rows, and the plain parameters' apart."""
+    if all(map(operator.is_not, models, NONES)):
+        return ((params, models, deferred.grads_of(params), deferred.inv_scale),)
+    present = list(map(operator.is_not, models, NONES))
+    masters = list(itertools.compress(params, present))
+    master_models = list(itertools.compress(models, present))
+    plain = [param for param, model in zip(params, models) if model is None]
+    return (
+        (masters, master_models, deferred.grads_of(masters), deferred.inv_scale),
+        (plain, None, list(map(GRAD, plain)), None),
+    )
+
+
+def _steps_on(params, states):
+    """Move step counts kept on the host to the parameters' device, once: the kernel counts
+    them there."""
+    for param, state in zip(params, states):
+        state["step"] = state["step"].to(param.device)
+    return list(map(_STEP, states))

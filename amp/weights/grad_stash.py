@@ -6,7 +6,7 @@ are unscaled, checked for inf/NaN and joined with the ones taken (exactly: kept 
 after unscaling). When it raises, the taken gradients are put back and the block's own dropped:
 an exception after backward leaves no trace.
 
-Outside any block a record's `.grad` are plain gradients, except after a block with
+Outside any block an optimizer's `.grad` are plain gradients, except after a block with
 `delay_unscale=True`: they are then scaled by that block's scaler (`scaled_by`) and the unscaled
 gradients from before are kept apart (`kept`) until a block without delay_unscale unscales the
 scaled sum. A block continuing such an accumulation leaves the scaled sum in `.grad` for its
@@ -16,9 +16,12 @@ enclosing block, which joins them if it exits normally itself.
 
 O2: the master gradients are the unscaled store. New model gradients are unscaled into them (one
 kernel launch per dtype group) and dropped from the model; a sparse model gradient gives a sparse
-master gradient. With the CuPy kernels and amp's fused step to come, they are only checked and
-kept low precision for the step, which unscales them as it reads them (masters.Deferred): no
-FP32 master gradient is made.
+master gradient. Where the optimizer's owner hands a block a Deferral (the CuPy kernels, amp's
+fused step to come), they are only checked and kept low precision for the step, which unscales
+them as it reads them (deferral.py): no FP32 master gradient is made.
+
+The stash is handed the parameters whose gradients a backward writes, or the plain ones (no
+masters), and reads the master rows from the optimizer's table (table.py).
 """
 
 import itertools
@@ -27,7 +30,7 @@ import operator
 import torch
 
 from .. import distributed, kernels
-from .columns import GRAD, IS_SPARSE, NONES, NOT_NONE, set_each
+from .columns import GRAD, IS_SPARSE, NONES, NOT_NONE, consume, repeat
 
 __all__ = ["GradientStash", "add_to_master_grad"]
 
@@ -86,10 +89,10 @@ class _Frame:
 
 
 class GradientStash:
-    """The scale_loss frames of one optimizer (an OptimizerRecord)."""
+    """The scale_loss frames of one optimizer, whose rows `table` holds."""
 
-    def __init__(self, record):
-        self.record = record
+    def __init__(self, table):
+        self.table = table
         self.frames = []
         self.kept = []  # unscaled (param, grad) kept apart while `.grad` hold scaled ones
         self.scaled_by = None  # the LossScaler whose scale `.grad` hold, after delay_unscale
@@ -103,35 +106,33 @@ class GradientStash:
             theirs = self.scaled_by
         return theirs if theirs is not None and theirs is not scaler else None
 
-    def enter(self, scaler, delay_unscale, inv_scale, identity):
+    def enter(self, scaler, delay_unscale, inv_scale, identity, holders):
         """A block opens: its loss is scaled by `scaler`, whose 1/scale is `inv_scale` (a tensor
-        on the loss's device, which no update writes)."""
-        record = self.record
-        masters = record.masters
-        if masters is not None and masters.deferred is not None:
-            masters.materialize()  # gradients kept for the step join the accumulation
+        on the loss's device, which no update writes). `holders`: the tensors whose `.grad` a
+        backward of the optimizer's loss writes (table.grad_holders)."""
         if not self.frames and self.scaled_by is scaler:
             # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
             # as autograd does and as DDP's reducer needs (after no_sync() micro-batches it
             # all-reduces the whole `.grad`); a copy puts it back if the block raises.
-            holders = [p for p in record.grad_holders() if p.grad is not None]
-            copies = [(param, param.grad.clone()) for param in holders]
+            copies = [(param, param.grad.clone()) for param in holders if param.grad is not None]
             self.frames.append(_Frame(scaler, delay_unscale, inv_scale, identity, [], copies))
             return
-        taken = _take(record.grad_holders())
+        taken = _take(holders)
         self.frames.append(_Frame(scaler, delay_unscale, inv_scale, identity, taken))
 
-    def discard(self):
+    def discard(self, holders):
         """The block raised: the gradients are put back as they were when it opened."""
         frame = self.frames.pop()
-        for param in self.record.grad_holders():
+        for param in holders:
             param.grad = None
         for param, grad in frame.taken or frame.copies:
             param.grad = grad
 
-    def commit(self, found_inf):
+    def commit(self, found_inf, plain, deferral=None):
         """The block exited normally: join its gradients with the ones taken (see module doc).
-        Gradients unscaled here are checked for inf/NaN into `found_inf` (a float32 flag)."""
+        Gradients unscaled here are checked for inf/NaN into `found_inf` (a float32 flag).
+        `plain`: the optimizer's parameters that are no masters (table.plain_params). New master
+        gradients go to `deferral`, if given, where they can (fresh and dense)."""
         frame = self.frames.pop()
         nested = bool(self.frames)
         taken_scaled = nested or self.scaled_by is not None
@@ -144,7 +145,7 @@ class GradientStash:
             return
         if nested:
             self.frames[-1].done.extend(frame.done)
-            self.frames[-1].done.extend(self._unscale(frame, found_inf, False))
+            self.frames[-1].done.extend(self._unscale(frame, found_inf, plain, None, False))
             _join(frame.taken)  # the enclosing block's own (still scaled) gradients
             return
         if taken_scaled:
@@ -154,16 +155,15 @@ class GradientStash:
         else:
             extras = frame.taken + frame.done
         if not extras:
-            self._unscale(frame, found_inf, True)
+            self._unscale(frame, found_inf, plain, deferral, True)
             return
-        table = self.record.table
-        master_of = dict(zip(map(id, table.models), table.masters))
+        table = self.table
         for param, grad in extras:  # already unscaled: into the masters first (as apex's order)
-            master = master_of.get(id(param))
-            if master is not None:
-                add_to_master_grad(master, grad.float())
-        self._unscale(frame, found_inf, True)
-        _join([(param, grad) for param, grad in extras if id(param) not in master_of])
+            row = table.index.get(id(param))
+            if row is not None:
+                add_to_master_grad(table.masters[row], grad.float())
+        self._unscale(frame, found_inf, plain, None, True)
+        _join([(param, grad) for param, grad in extras if id(param) not in table.index])
 
     def reset(self):
         """zero_grad(): the gradients kept apart, and those open blocks took when they opened,
@@ -177,14 +177,24 @@ class GradientStash:
         accumulation of delay_unscale blocks)."""
         return self.scaled_by is scaler or any(frame.scaler is scaler for frame in self.frames)
 
-    def _unscale(self, frame, found_inf, into_masters):
+    def adopt_model_grads(self):
+        """Before a step: gradients of model parameters made by a backward outside scale_loss
+        join the master gradients unscaled (apex dropped them; without this O2 would not
+        step)."""
+        table = self.table
+        for model_param, master in zip(table.models, table.masters):
+            grad = model_param.grad
+            if grad is not None:
+                add_to_master_grad(master, grad.float())
+                model_param.grad = None
+
+    def _unscale(self, frame, found_inf, params, deferral, into_masters):
         """Unscale and check the gradients in `.grad` by `frame`'s scale. into_masters: O2 model
-        gradients go into the master gradients, plain ones stay in `.grad`; else every unscaled
-        gradient is taken out of `.grad` and returned as (param, grad), for the enclosing
-        block."""
-        record = self.record
+        gradients go into the master gradients (or to `deferral`), plain ones stay in `.grad`;
+        else every unscaled gradient is taken out of `.grad` and returned as (param, grad), for
+        the enclosing block."""
+        table = self.table
         inv_scale = frame.inv
-        params = record.plain_params()
         grads = [*filter(NOT_NONE, map(GRAD, params))] if params else ()
         views = ()
         if grads and not frame.identity:
@@ -192,23 +202,25 @@ class GradientStash:
             # C-level checks per gradient (a generator costs a Python frame per parameter).
             if any(map(IS_SPARSE, grads)) or any(map(torch.is_complex, grads)):
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
-            if record.sharded:
+            if table.sharded:
                 views = distributed.local_tensors(views)
         handed = [] if into_masters or not params else _take(params)  # unscaled in place below
-        if record.masters is None:
+        if not table.models:
             kernels.unscale_(views, inv_scale, found_inf)
         else:  # with the model gradients, in one launch where it can
-            _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, views)
+            _unscale_model_grads(
+                table, inv_scale, found_inf, into_masters, handed, views, deferral
+            )
         return handed
 
 
-def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, plain):
+def _unscale_model_grads(table, inv_scale, found_inf, into_masters, handed, plain, deferral):
     """O2: the model gradients, unscaled and checked, into FP32 gradients: the master gradients
     (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. The
-    model's gradients are dropped. With the CuPy kernels and a fused step to come they are only
-    checked and kept low precision for it (masters.Deferred). The `plain` gradients are unscaled
-    in place and checked, with the new master gradients where those are made."""
-    models, masters = record.table.models, record.table.masters
+    model's gradients are dropped. Fresh dense ones are only checked and kept low precision by
+    `deferral` where one is given. The `plain` gradients are unscaled in place and checked, with
+    the new master gradients where those are made."""
+    models, masters = table.models, table.masters
     grads = list(map(GRAD, models))
     # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
     present = list(map(operator.is_not, grads, NONES))
@@ -219,7 +231,7 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, pla
         models = list(itertools.compress(models, present))  # parameters that had no gradient
         masters = list(itertools.compress(masters, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
-    set_each(models, "grad", NONES)
+    consume(map(setattr, models, repeat("grad"), NONES))
     master_grads = list(map(GRAD, masters)) if into_masters else [None]
     fresh_ones = all(map(operator.is_, master_grads, NONES))
     if not fresh_ones or any(map(IS_SPARSE, grads)):
@@ -233,15 +245,15 @@ def _unscale_model_grads(record, inv_scale, found_inf, into_masters, handed, pla
         else:  # into the master gradients there, one launch per dtype group
             kernels.unscale_add_(grads, master_grads, inv_scale, found_inf, check=False)
         return
-    if into_masters and record.defers(grads[0].device):
+    if into_masters and deferral is not None:
         kernels.unscale_(plain, inv_scale, found_inf)
-        record.masters.defer(models, masters, grads, inv_scale, found_inf)
+        deferral.defer(models, masters, grads, inv_scale, found_inf)
         return
     # One launch per dtype group (per launch-sized run of tensors with the CuPy kernels).
     fresh = list(map(torch.empty_like, masters))
     kernels.unscale_to_(grads, fresh, inv_scale, found_inf, check=False, also=plain)
     if into_masters:
-        set_each(masters, "grad", fresh)
+        consume(map(setattr, masters, repeat("grad"), fresh))
     else:
         handed.extend(zip(models, fresh))
 

@@ -13,7 +13,8 @@ from .._state import amp_state
 from ..casting import fp32_modules
 from ..casting.cast_tree import cast_tree
 from ..casting.casts import LOW_PRECISION
-from .masters import frozen_table, master_row, new_master
+from .masters import frozen_table, new_master
+from .table import find
 from .shadows import (
     FP32StateDict,
     LoadIntoShadows,
@@ -120,7 +121,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     if keep_fp32_params:
         frozen = None
         for param in params:
-            if master_row(param)[0] is None:
+            if find(param, amp_state.tables)[0] is None:
                 frozen = frozen or frozen_table()
                 frozen.add_master(param, new_master(param))
     _shadow_buffers(model, model_shadows, keep_batchnorm_fp32, dtype)
@@ -130,7 +131,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
         with torch.no_grad():
             for param in params:
                 if param.dtype is not torch.float32:
-                    table, row = model_shadows.row(param)
+                    table, row = find(param, model_shadows.tables)
                     param.data = table.masters[row].data if table else param.data.float()
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
@@ -151,7 +152,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             for name, shadow in by_name.items():
                 module._buffers[name] = shadow.fp32.to(dtype)
     for param in params:
-        table, row = model_shadows.row(param)
+        table, row = find(param, model_shadows.tables)
         if table is not None:
             table.mark_row(row)
     for by_name in model_shadows.buffers.values():

@@ -1,42 +1,53 @@
-"""Optimizer instrumentation: the record amp keeps per optimizer and the methods it patches.
+"""The owner of an optimizer under amp: the record amp keeps per optimizer, and the methods it
+patches on the optimizer (step, zero_grad, add_param_group, the state dicts).
 
-The record is composed of the optimizer's table (table.py: the parameters it steps, where they
-sit, and at O2 their masters), the O2 master handling (masters.py; none at O1 and O3), the
-gradient stash of scale_loss (grad_stash.py), the skip decision (skip.py) and state dicts with
-masters (optimizer_state.py). This module ties them to the optimizer's step, zero_grad and
-add_param_group.
+The record is made of parts, each handed the data it needs and none holding the record:
+- the table (table.py): the parameters the optimizer steps, where they sit, and at O2 their FP32
+  masters with the marks of amp's own writes;
+- the gradient stash of scale_loss's blocks (grad_stash.py);
+- the reports of its skipped steps (skip.py);
+- at O2, the fused master step (fused_step.py) and, on the CuPy kernels, the deferred master
+  gradients (deferral.py).
+Each step's path (the fused step or the optimizer's own) and whether it is skipped are decided
+here, once, in `step`. scale_loss opens and closes its blocks through `open_block` /
+`close_block` / `drop_block`; a loss scaler asks `holds_scaled` before its scale changes.
 """
 
 import functools
 import inspect
-import itertools
 import operator
+import os
 import types
 
 import torch
 
 from .. import distributed, kernels
 from .._state import amp_state
-from ..apex_interop.optimizer_wrappers import require_optimizer_like
-from . import engines, optimizer_state
+from ..apex_interop.optimizer_wrappers import require_optimizer_like, wrapped_optimizers
+from . import engines, masters, optimizer_state
+from .columns import GRAD, NONES, consume, repeat
+from .deferral import Deferral
+from .fused_step import FusedStep
 from .grad_stash import GradientStash
-from .masters import Masters, master_for, match_state_to_params, new_master
-from .skip import SkipDecision
-from .columns import set_each
+from .skip import Skips
 from .table import ParamTable
 
 __all__ = [
+    "FUSED_STEP_ENV",
     "MASTER_PARAMS_KEY",
     "check_optimizer",
     "OptimizerRecord",
     "takes_found_inf",
     "instrument",
+    "holds_scaled",
+    "learn_skips",
 ]
 
 MASTER_PARAMS_KEY = optimizer_state.MASTER_PARAMS_KEY
+FUSED_STEP_ENV = "AMP_FUSED_STEP"  # "0" at amp.initialize: every O2 step is the optimizer's own
 
 _PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
-_PARAMS = operator.itemgetter("params")
+_LEARNED, _FOUND_VALUE = operator.attrgetter("learned"), operator.attrgetter("found_value")
 
 
 def check_optimizer(optimizer, index):
@@ -46,59 +57,54 @@ def check_optimizer(optimizer, index):
 
 
 class OptimizerRecord:
-    """amp's bookkeeping for one optimizer."""
+    """amp's bookkeeping for one optimizer, and the one place its steps are decided."""
 
-    def __init__(self, optimizer, names):
+    def __init__(self, optimizer, originals, table, fused, deferral):
         self.optimizer = optimizer
-        self.names = names  # id(model parameter) -> qualified name, for overflow reports
-        self.originals = {}  # the optimizer's own methods, called by the patched ones
-        self.table = ParamTable()
-        self.masters = None  # Masters at O2
-        self.stash = GradientStash(self)
-        self.skips = SkipDecision(self)
-        self.found_inf_on_device = False  # its step takes the overflow flag (set by instrument)
-        self._plain_cache = (None, [])
-        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
+        self.originals = originals  # the optimizer's own methods, called by the patched ones
+        self.table = table
+        self.stash = GradientStash(table)
+        self.skips = Skips()
+        self.pending = []  # the checks of its blocks since its last step (scale_loss's exit)
+        self.fused = fused  # FusedStep at O2 for torch's AdamW/Adam/SGD, else None
+        self.deferral = deferral  # Deferral at O2 on the CuPy kernels, else None
+        # The next exit may keep the masters' gradients for the fused step (deferral.py): the
+        # last step took it, or was the optimizer's own that made the state it needs.
+        self.defers = False
+        self.found_inf_on_device = takes_found_inf(optimizer)  # its step takes the flag
+        self.inner = wrapped_optimizers(optimizer)  # the torch optimizers a wrapper holds
 
-    def param_name(self, param):
-        table = self.table
-        of_master = dict(zip(map(id, table.masters), table.models))
-        param = of_master.get(id(param), param)
-        name = self.names.get(id(param))
-        if name is None:
-            for group_index, group in enumerate(self.optimizer.param_groups):
-                for param_index, candidate in enumerate(group["params"]):
-                    if candidate is param or of_master.get(id(candidate)) is param:
-                        return f"param_groups[{group_index}]['params'][{param_index}]"
-        return name
+    # -- scale_loss's blocks -------------------------------------------------------------------
 
-    def stepped_params(self):
-        """The parameters this optimizer steps, as the model holds them (O2: the cast ones, not
-        their masters)."""
-        of_master = dict(zip(map(id, self.table.masters), self.table.models))
-        groups = self.optimizer.param_groups
-        return [of_master.get(id(p), p) for group in groups for p in group["params"]]
+    def open_block(self, scaler, delay_unscale, inv_scale, identity):
+        """A scale_loss block of `scaler` opens (its loss scaled by `inv_scale`'s inverse).
+        Returns the scaler whose scaled gradients the block would add its own to, if it is
+        another (their sum would mix two scales), changing nothing then; else None."""
+        stash = self.stash
+        if stash.frames or stash.scaled_by is not None:
+            theirs = stash.conflict(scaler, delay_unscale)
+            if theirs is not None:
+                return theirs
+        if self.skips.waiting:  # a skip whose results arrived since: reported now
+            self._poll()
+        deferral = self.deferral
+        if deferral is not None and deferral.kept is not None:
+            deferral.materialize()  # gradients kept for the step join the accumulation
+        holders = self.table.grad_holders(self.optimizer.param_groups)
+        stash.enter(scaler, delay_unscale, inv_scale, identity, holders)
+        return None
 
-    def grad_holders(self):
-        """Every tensor whose `.grad` a backward of this optimizer's loss writes."""
-        if self.masters is None:
-            return self.plain_params()
-        return self.plain_params() + self.table.models
+    def close_block(self, found_inf, check):
+        """The block exited normally: its gradients unscaled and checked into `found_inf`;
+        `check` (or None, unchecked) decides whether the next step is skipped."""
+        plain = self.table.plain_params(self.optimizer.param_groups)
+        self.stash.commit(found_inf, plain, self.deferral if self.defers else None)
+        if check is not None:
+            self.pending.append(check)
 
-    def plain_params(self):
-        """The optimizer's parameters that are not FP32 masters (cached by group shape)."""
-        groups = self.optimizer.param_groups
-        signature = tuple(map(len, map(_PARAMS, groups)))
-        cached_signature, params = self._plain_cache
-        if signature != cached_signature:
-            masters = set(map(id, self.table.masters))
-            params = [p for group in groups for p in group["params"] if id(p) not in masters]
-            self._plain_cache = (signature, params)
-            self.sharded = distributed.has_dtensors(params)  # FSDP2: unscale the local shards
-        return params  # shared: callers do not modify it
-
-    def forget_param_groups(self):
-        self._plain_cache = (None, [])
+    def drop_block(self):
+        """The block raised: the gradients are as they were when it opened."""
+        self.stash.discard(self.table.grad_holders(self.optimizer.param_groups))
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -109,55 +115,65 @@ class OptimizerRecord:
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
                 "closure."
             )
-        if not self.table.in_place():  # a parameter replaced since initialize is refused
-            engines.check_places(self.table, "optimizer.step()")
-        if self.stash.frames:
+        table, stash = self.table, self.stash
+        if not table.in_place():  # a parameter replaced since initialize is refused
+            engines.check_places(table, "optimizer.step()")
+        if stash.frames:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`; the gradients "
                 "are unscaled and checked when the block exits. Call step() after the block."
             )
-        if self.stash.scaled_by is not None:
+        if stash.scaled_by is not None:
             raise RuntimeError(
                 "optimizer.step(): the gradients are still scaled, because the last "
                 "amp.scale_loss before it had delay_unscale=True. Give the last backward of an "
                 "accumulation delay_unscale=False (it unscales them all), or call "
                 "optimizer.zero_grad() to drop them."
             )
-        skips = self.skips
-        if skips.waiting:  # earlier skips the device decided on, whose results may have arrived
-            skips.poll(wait=distributed.is_distributed())
-        masters = self.masters
-        plan = masters.fused.plan() if masters is not None else None  # amp's fused step applies
-        checks = skips.take() if skips.pending else ()
-        found, known = None, True
+        if self.skips.waiting:  # earlier skips the device decided on, whose results may be here
+            self._poll(wait=distributed.is_distributed())
+        deferral = self.deferral
+        kept = None if deferral is None else deferral.kept
+        if table.models:  # O2: the masters take what reached the model around amp
+            table.take_outside_writes()
+            if not all(map(operator.is_, map(GRAD, table.models), NONES)):
+                if kept is not None:  # gradients from a backward outside scale_loss join them
+                    deferral.materialize()
+                    kept = None
+                stash.adopt_model_grads()
+        optimizer = self.optimizer
+        # The path, decided once: amp's fused step where it applies, else the optimizer's own.
+        plan = None if self.fused is None else self.fused.plan(optimizer, table, kept)
+        checks, found, known = self.pending, None, True
         if checks:
-            on_device = plan is not None or self.found_inf_on_device
-            overflowed, found, known = skips.decide(checks, on_device)
+            self.pending = []
+            watch = amp_state.origin_watch
+            if watch.armed:  # a watched step (the one after a skip) ends: its origin is found
+                watch.settle(self.skips, checks)
+            if all(map(_LEARNED, checks)):  # the host knows, at no cost (always on the CPU)
+                overflowed = list(filter(_FOUND_VALUE, checks))
+            else:
+                on_device = plan is not None or self.found_inf_on_device
+                overflowed, found, known = _decide(checks, on_device)
             if overflowed:
-                skips.skip(overflowed, checks)
+                self._skip(checks, kept)
                 return None
-        if masters is not None:  # O2 (no call at all at O1 or O3)
-            masters.before_step()
-            if plan is not None and masters.fused.run(plan, found, masters.deferred):
-                masters.after_fused_step()
-                skips.note_stepped()
-                self._stepped(checks, known)
-                return None
-            if found is not None and not self.found_inf_on_device:
-                # No state yet (the first step is the optimizer's own): the host decides.
-                overflowed = [check for check in checks if check.is_set()]
-                if overflowed:
-                    skips.skip(overflowed, checks)
-                    return None
-                found = None
-            if masters.deferred is not None:
-                masters.materialize()
+        self.defers = plan is not None or (self.fused is not None and self.fused.stateless)
+        if plan is not None:
+            self.fused.run(plan, found)
+            if kept is not None:
+                deferral.take()
+            table.models_written()
+            self._note_stepped()
+            self._stepped(checks, known)
+            return None
+        if kept is not None:
+            deferral.materialize()
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
         # runs every step, and a generator context manager's machinery is Python calls).
         thread = amp_state.thread
         saved = thread.policy
         thread.policy = None
-        optimizer = self.optimizer
         if found is not None:
             optimizer.found_inf = found  # torch's fused optimizers read it (grads are unscaled)
         try:
@@ -166,10 +182,23 @@ class OptimizerRecord:
             thread.policy = saved
             if found is not None:
                 del optimizer.found_inf
-        if masters is not None:
-            masters.after_step()
+        if table.models:
+            table.write_models()
         self._stepped(checks, known)
         return result
+
+    def _skip(self, checks, kept):
+        """Skip this step: report it, and drop the master gradients (kept or FP32)."""
+        table, groups = self.table, self.optimizer.param_groups
+        name_of = functools.partial(table.name_of, groups=groups)
+        deferred = ()
+        if kept is not None:  # low precision: their check knows which held inf/NaN
+            deferred = tuple(map(name_of, kept.nonfinite_models()))
+            self.deferral.take()  # before the masters' `.grad` are read (and made)
+        names = distributed.nonfinite_names(table.plain_params(groups) + table.masters, name_of)
+        consume(map(setattr, table.masters, repeat("grad"), NONES))
+        self._note_stepped()
+        self.skips.skipped(checks, names + deferred)
 
     def _stepped(self, checks, known):
         if amp_state.cast_cache.filled:
@@ -177,48 +206,70 @@ class OptimizerRecord:
         if checks and not (known and amp_state.nonfinite_loss_run is None):
             self.skips.stepped(checks, known)
 
-    def defers(self, device):
-        """Whether scale_loss's exit keeps this optimizer's master gradients low precision for
-        the fused step (the CuPy kernels and a fused step that applies)."""
-        masters = self.masters
-        return kernels.fuses(device) and masters.fused.plan() is not None
+    def _note_stepped(self):
+        """The user did call step() where amp did not call the optimizer's own: an LR scheduler
+        made before amp.initialize, or one on the torch optimizer a wrapper holds (LARC), must
+        not warn that its step() came first."""
+        if getattr(self.originals["step"], "_wrapped_by_lr_sched", False):
+            self.optimizer._opt_called = True
+        for inner in self.inner:
+            if getattr(inner.step, "_wrapped_by_lr_sched", False):
+                inner._opt_called = True
+
+    def _poll(self, wait=False):
+        groups = self.optimizer.param_groups
+        table = self.table
+        name_of = functools.partial(table.name_of, groups=groups)
+        self.skips.poll(table.plain_params(groups), name_of, wait)
+
+    def anchor(self, places):
+        """Remember where the parameters the optimizer steps sit in the models (`places`,
+        engines.py's): a step checks that they are still there."""
+        table = self.table
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        held = [p if m is None else m for p, m in zip(params, table.models_of(params))]
+        table.anchor(held, places)
 
     def expose_masters(self):
         """amp.master_params(): the masters as the user sees them, outside writes taken in (a
-        deferred gradient is made FP32 when something reads it: masters.Deferred)."""
-        if self.masters is not None:
-            self.masters.take_outside_writes()
+        kept gradient is made FP32 when something reads it: deferral.py)."""
+        self.table.take_outside_writes()
 
     # -- the rest of the optimizer API --------------------------------------------------------
 
     def state_dict(self):
-        return optimizer_state.state_dict(self)
+        return optimizer_state.state_dict(self.originals["state_dict"], self.optimizer, self.table)
 
     def load_state_dict(self, state_dict):
-        optimizer_state.load_state_dict(self, state_dict)
+        optimizer_state.load_state_dict(
+            self.originals["load_state_dict"], self.optimizer, self.table, state_dict
+        )
 
     def zero_grad(self, *args, **kwargs):
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
-            self.skips.poll()
+            self._poll()
         to_none = not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True)
-        masters = self.masters
-        if masters is not None and masters.deferred is not None:
+        deferral = self.deferral
+        if deferral is not None and deferral.kept is not None:
             if to_none:  # before torch's zero_grad reads (and would make) them
-                masters.forget_deferred()
+                deferral.take()
             else:  # zeroed FP32 gradients, which a step then steps with, as on the general path
-                masters.materialize()
+                deferral.materialize()
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
+        models = self.table.models
         if to_none:
-            set_each(self.table.models, "grad", itertools.repeat(None))
+            if models and not all(map(operator.is_, map(GRAD, models), NONES)):
+                consume(map(setattr, models, repeat("grad"), NONES))
         else:
-            for model_param in self.table.models:
+            for model_param in models:
                 if model_param.grad is not None:
                     model_param.grad.detach_()
                     model_param.grad.zero_()
-        self.stash.reset()
-        if self.skips.pending:
-            self.skips.drop()
+        stash = self.stash
+        if stash.kept or stash.scaled_by is not None or stash.frames:
+            stash.reset()
+        self.pending = []  # the gradients an overflow was found in are gone, and the reason to skip
 
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict):
@@ -237,19 +288,66 @@ class OptimizerRecord:
         if amp_state.properties.master_weights:
             for i, param in enumerate(params or ()):
                 if id(param) in amp_state.cast_params:
-                    master = master_for(param)  # None: an optimizer steps it already
+                    master = masters.master_for(param)  # None: an optimizer steps it already
                     if master is not None:
                         new_pairs.append((param, master))
                         params[i] = master
         group = dict(param_group, params=params)
         self.originals["add_param_group"](group)
-        if new_pairs and self.masters is None:
-            self.masters = Masters(self)
         for param, master in new_pairs:
             master.requires_grad_(param.requires_grad)
-            self.masters.add(param, master)
-        self.forget_param_groups()
+            masters.join(self.table, param, master)
+        if new_pairs and self.fused is None:
+            self.fused = _fused_step(self.optimizer, self.originals["step"])
+        self.table.forget_groups()
         engines.anchor([self], amp_state.models)
+
+    def give_back(self):
+        """Undo of master creation: the optimizer steps the model's own parameters again."""
+        if self.deferral is not None and self.deferral.kept is not None:
+            self.deferral.materialize()  # an FP32 model parameter takes its master's gradient
+        masters.give_back(self.optimizer, self.table)
+
+
+def _fused_step(optimizer, step):
+    """The fused master step for an optimizer with masters, or None (not torch's AdamW, Adam or
+    SGD step, or `AMP_FUSED_STEP=0`)."""
+    if os.environ.get(FUSED_STEP_ENV, "1") == "0":
+        return None
+    fused = FusedStep(optimizer, step)
+    return fused if fused.kind is not None else None
+
+
+def _decide(checks, on_device):
+    """Whether a step is skipped, where the host has not read every check yet: (the checks whose
+    gradients held inf/NaN, the flag to hand to a step that takes it on the device or None,
+    whether the host knew). The host decides where the copies have arrived, which costs no wait;
+    else the device decides where it can; else the host reads the device flags (one sync per
+    check, as apex's step did)."""
+    for check in checks:
+        if not check.arrived():
+            break
+    else:
+        return list(filter(_FOUND_VALUE, checks)), None, True
+    if on_device:
+        found = checks[0].found
+        for check in checks[1:]:
+            found = torch.maximum(found, check.found)
+        return [], found, False
+    return [check for check in checks if check.is_set()], None, False
+
+
+def holds_scaled(scaler):
+    """Whether gradients scaled by `scaler` wait in some optimizer's stash to be unscaled (an
+    open block, or an accumulation of delay_unscale blocks): its scale must not change."""
+    return any(record.stash.holds(scaler) for record in amp_state.optimizers)
+
+
+def learn_skips():
+    """Every skip the host has not learned yet, learned and reported now (waiting for copies
+    still on their way): what `amp.last_overflow()` and `amp.state_dict()` do first."""
+    for record in amp_state.optimizers:
+        record._poll(wait=True)
 
 
 def takes_found_inf(optimizer):
@@ -299,36 +397,44 @@ def _replacement(optimizer, name, original):
     return step
 
 
-def instrument(optimizer, params_with_masters, names, ledger):
+def instrument(optimizer, params_with_masters, ledger):
     """Set `optimizer` up for amp: FP32 masters for `params_with_masters` (ids), patched methods.
 
     Must run before the model is cast, so the masters are the exact FP32 weights.
     """
-    record = OptimizerRecord(optimizer, names)
-    record.found_inf_on_device = takes_found_inf(optimizer)
     # Runs last on undo, after the model has its FP32 weights back.
     ledger.add_undo(
-        "optimizer state in the parameters' dtype", lambda: match_state_to_params(optimizer)
+        "optimizer state in the parameters' dtype",
+        lambda: masters.match_state_to_params(optimizer),
     )
-    table = record.table
+    table = ParamTable()
     for group in optimizer.param_groups:
         for index, param in enumerate(group["params"]):
             if id(param) in params_with_masters:
-                master = new_master(param)
+                master = masters.new_master(param)
                 param.grad = None
                 group["params"][index] = master
                 if param in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(param)
                 table.add_master(param, master)
+    originals = {
+        name: getattr(optimizer, name)
+        for name in _PATCHED_METHODS
+        # add_param_group is optional for an optimizer wrapper (apex_interop/optimizer_wrappers.py)
+        if name != "add_param_group" or hasattr(optimizer, name)
+    }
+    fused = deferral = None
     if table.models:
-        record.masters = Masters(record)
-        ledger.add_undo("optimizer steps its model parameters again", record.masters.give_back)
+        fused = _fused_step(optimizer, originals["step"])
+        if fused is not None and kernels.fuses(table.masters[0].device):
+            deferral = Deferral()
+    record = OptimizerRecord(optimizer, originals, table, fused, deferral)
+    if params_with_masters:  # a group added later may bring masters too
+        ledger.add_undo("optimizer steps its model parameters again", record.give_back)
+    if table.models:
         engines.follow_masters(optimizer, list(zip(table.models, table.masters)), ledger)
     amp_state.tables.append(table)
-    for name in _PATCHED_METHODS:
-        if name == "add_param_group" and not hasattr(optimizer, name):
-            continue  # an optimizer wrapper without it (optional, see apex_interop/optimizer_wrappers.py)
-        record.originals[name] = getattr(optimizer, name)
+    for name in originals:
         ledger.patch(
             optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)
         )

@@ -4,6 +4,7 @@ import torch
 
 from .. import kernels
 from .._state import amp_state
+from .masters import master_indices
 from .snapshot import OptimizerSnapshot
 
 __all__ = ["MASTER_PARAMS_KEY", "state_dict", "load_state_dict", "check_masters"]
@@ -11,20 +12,21 @@ __all__ = ["MASTER_PARAMS_KEY", "state_dict", "load_state_dict", "check_masters"
 MASTER_PARAMS_KEY = "amp_master_params"
 
 
-def state_dict(record):
-    state = record.originals["state_dict"]()
-    masters = record.masters
-    if masters is not None:
+def state_dict(original, optimizer, table):
+    """`original()` (the optimizer's own state dict) with the masters of `table`."""
+    state = original()
+    if table.models:
         # A write into the model since the last step (a mask, a broadcast) is the masters' value
         # from then on; a checkpoint serialized before anything else looked must hold it.
-        masters.take_outside_writes()
+        table.take_outside_writes()
         state[MASTER_PARAMS_KEY] = {
-            index: master.detach() for index, (_, master) in masters.master_indices().items()
+            index: master.detach()
+            for index, (_, master) in master_indices(optimizer.param_groups, table).items()
         }
     return state
 
 
-def load_state_dict(record, state_dict):
+def load_state_dict(original, optimizer, table, state_dict):
     """Check the masters, let torch check and load the rest, then write the masters.
 
     A checkpoint without the masters key (a plain FP32 one) loads: the masters keep the values
@@ -34,10 +36,10 @@ def load_state_dict(record, state_dict):
     has_masters = hasattr(state_dict, "get") and MASTER_PARAMS_KEY in state_dict
     plan = []
     if has_masters:
-        plan = check_masters(record, state_dict[MASTER_PARAMS_KEY])
+        plan = check_masters(optimizer, table, state_dict[MASTER_PARAMS_KEY])
         state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
-    before = OptimizerSnapshot(record.optimizer)
-    record.originals["load_state_dict"](state_dict)
+    before = OptimizerSnapshot(optimizer)
+    original(state_dict)
     if plan:
         try:
             with torch.no_grad():
@@ -48,14 +50,14 @@ def load_state_dict(record, state_dict):
             raise
         with torch.no_grad():
             kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
-        record.table.mark()
-    record.forget_param_groups()
+        table.mark()
+    table.forget_groups()
     amp_state.cast_cache.clear()
 
 
-def check_masters(record, masters):
+def check_masters(optimizer, table, masters):
     """[(value, model param, master)] to copy, or a clear error; changes nothing."""
-    here = record.masters.master_indices() if record.masters is not None else {}
+    here = master_indices(optimizer.param_groups, table)
     if not isinstance(masters, dict):
         raise TypeError(
             f"optimizer.load_state_dict: {MASTER_PARAMS_KEY!r} must map parameter indices "

@@ -30,6 +30,7 @@ import types
 import torch
 
 from ..casting.casts import LOW_PRECISION
+from .table import find
 
 __all__ = [
     "held_exactly",
@@ -159,14 +160,6 @@ class ModelShadows:
         self.hooked = set()  # the modules amp registered the hooks on
         self.lent = False  # a state dict handed out FP32 tensors: they may be written any time
 
-    def row(self, param):
-        """(table, row) of `param`'s FP32 copy, or (None, None)."""
-        for table in self.tables:
-            row = table.index.get(id(param))
-            if row is not None:
-                return table, row
-        return None, None
-
     def walk(self, module, prefix):
         """(module, prefix) for `module` and its submodules that have no hooks of their own."""
         found = [(module, prefix)]
@@ -230,7 +223,7 @@ class FP32StateDict:
 
     def _param_value(self, owner, name, param):
         shadows = self.model_shadows
-        table, row = shadows.row(param)
+        table, row = find(param, shadows.tables)
         shadows.lent = True
         if table is not None:
             table.sync_row(row)
@@ -262,7 +255,7 @@ class LoadIntoShadows:
         with torch.no_grad():
             for owner, owner_prefix in shadows.walk(module, prefix):
                 for name, param in owner._parameters.items():
-                    table, row = shadows.row(param)
+                    table, row = find(param, shadows.tables)
                     if table is not None:
                         table.sync_row(row)  # a write not yet taken over is not lost to a load
                         _load(table.masters[row], state_dict.get(owner_prefix + name))
@@ -324,7 +317,7 @@ class MarkLoaded:
         shadows = self.model_shadows
         for owner, _ in shadows.walk(module, ""):
             for param in owner._parameters.values():
-                table, row = shadows.row(param)
+                table, row = find(param, shadows.tables)
                 if table is not None:
                     table.mark_row(row)
             for shadow in shadows.buffers.get(owner, {}).values():

@@ -1,99 +1,35 @@
-"""Skipped steps: the checks of an optimizer's scale_loss blocks (scaling/checks.py), the decision
-to skip its step, and the report of a step that was skipped.
+"""Skipped steps as the host learns of them: the report of each (the log message, the overflow
+report amp.last_overflow() returns, the origin watch of the step after it, the non-finite-loss
+warning) and the checks of steps the device decided on, reported once their copies arrive.
 
-The host decides where it knows, which costs no wait: when the copies of a step's checks have
-reached the host by the step (always on the CPU), it skips or steps on their values. Where they
-have not, an optimizer that takes the overflow flag on the device (torch's fused optimizers,
-amp's fused master step) steps with it and the device skips; the general path, which must decide
-on the host whether to call an arbitrary optimizer, reads the flag (a sync on CUDA). A skip the
-host learns of later is reported then: at the next step, zero_grad or scale_loss, or when asked
-(`amp.last_overflow()`, `amp.state_dict()`); in a distributed run at the next step, so that every
-rank reports at the same point (naming the parameters is a collective).
+Where the host knew by the step (always on the CPU) the step reports at once. A skip the device
+took is reported when the host learns of it: at the next step, zero_grad or scale_loss, or when
+asked (`amp.last_overflow()`, `amp.state_dict()`); in a distributed run at the next step, so that
+every rank reports at the same point (naming the parameters is a collective). Whether a step is
+skipped is the optimizer's owner's to decide (optimizer.py).
 """
-
-import torch
 
 from .. import distributed
 from .._state import amp_state, logger
-from ..apex_interop.optimizer_wrappers import wrapped_optimizers
 from ..diagnostics import nonfinite_loss
 from ..diagnostics.overflow import OverflowReport
 
-__all__ = ["SkipDecision", "learn_all"]
+__all__ = ["Skips"]
 
 
-class SkipDecision:
-    """The checks of an optimizer's blocks since its last step, and those whose step the device
-    took before the host learned them."""
+class Skips:
+    """The skipped steps of one optimizer as the host learns of them. It is the origin watch's
+    owner for that optimizer."""
 
-    def __init__(self, record):
-        self.record = record
-        self.pending = []  # Checks of the blocks since the last step, from scale_loss's exit
+    def __init__(self):
         self.waiting = []  # Checks the device decided on; to report once their copies arrive
 
-    def add(self, check):
-        self.pending.append(check)
-
-    def drop(self):
-        """zero_grad(): the gradients an overflow was found in are gone, and so is the reason to
-        skip."""
-        self.pending = []
-
-    def take(self):
-        """The pending checks, for the step about to run. A watched step (the one after a skip)
-        ends here: its hooks go and its origin is found."""
-        pending, self.pending = self.pending, []
-        watch = amp_state.origin_watch
-        if watch.armed:
-            watch.settle(self.record, pending)
-        return pending
-
-    @staticmethod
-    def decide(checks, on_device):
-        """At a step: (the checks whose gradients held inf/NaN, the flag to hand to an optimizer
-        that takes it on the device or None, whether the host knew). The host decides where
-        the copies have arrived, which costs no wait; else the device decides when it can;
-        else the host reads the device flags (one sync per check, as apex's step did)."""
+    def skipped(self, checks, names):
+        """This step is skipped: report it with `names`, the parameters whose gradients held
+        inf/NaN (the step read the device: the copies have arrived)."""
         for check in checks:
-            if not check.arrived():
-                break
-        else:
-            return [check for check in checks if check.found_value], None, True
-        if on_device:
-            found = checks[0].found
-            for check in checks[1:]:
-                found = torch.maximum(found, check.found)
-            return [], found, False
-        return [check for check in checks if check.is_set()], None, False
-
-    def skip(self, overflowed, checks):
-        """Skip this step: drop the master gradients and report it (the host knows now)."""
-        record = self.record
-        self.note_stepped()
-        for check in checks:  # the step read the device: the copies have arrived
             check.arrived(wait=True)
-        masters = record.masters
-        deferred = ()
-        if masters is not None and masters.deferred is not None:  # kept low precision: their
-            deferred = tuple(map(record.param_name, masters.nonfinite_models()))  # check knows
-            masters.forget_deferred()  # before the masters' `.grad` are read (and made)
-        names = distributed.nonfinite_names(
-            record.plain_params() + record.table.masters, record.param_name
-        )
-        names += deferred
-        if masters is not None:
-            masters.drop_grads()
         self._learned(checks, names)
-
-    def note_stepped(self):
-        """The user did call step(): an LR scheduler made before amp.initialize, or one on the
-        torch optimizer a wrapper holds (LARC), must not warn that its step() came first."""
-        record = self.record
-        if getattr(record.originals["step"], "_wrapped_by_lr_sched", False):
-            record.optimizer._opt_called = True
-        for inner in wrapped_optimizers(record.optimizer):
-            if getattr(inner.step, "_wrapped_by_lr_sched", False):
-                inner._opt_called = True
 
     def stepped(self, checks, known):
         """The step ran: checks the host knew are settled now, the others once they arrive."""
@@ -102,9 +38,11 @@ class SkipDecision:
         else:
             self.waiting.extend(checks)
 
-    def poll(self, wait=False):
+    def poll(self, params, name_of, wait=False):
         """Report the skips the device decided on whose checks have arrived since (all, waiting
-        for them, if `wait`). In a distributed run only at a step or when asked."""
+        for them, if `wait`), naming those of `params` (the optimizer's gradients of that step,
+        if no zero_grad dropped them) whose gradients hold inf/NaN, by `name_of`. In a
+        distributed run only at a step or when asked."""
         waiting = self.waiting
         if not waiting or (not wait and distributed.is_distributed()):
             return
@@ -117,8 +55,7 @@ class SkipDecision:
             learned, self.waiting = waiting[:done], waiting[done:]
             names = ()
             if any(check.found_value for check in learned):
-                record = self.record  # the gradients of that step, if no zero_grad dropped them
-                names = distributed.nonfinite_names(record.plain_params(), record.param_name)
+                names = distributed.nonfinite_names(params, name_of)
             self._learned(learned, names)
 
     def _learned(self, checks, names):
@@ -174,11 +111,4 @@ class SkipDecision:
         if (clean or fresh) and not bad_loss and amp_state.nonfinite_loss_run is not None:
             nonfinite_loss.after_clean_step()
         if skipped:
-            watch.arm(self.record)
-
-
-def learn_all(records):
-    """Every skip the host has not learned yet, learned and reported now (waiting for copies
-    still on their way): what `amp.last_overflow()` and `amp.state_dict()` do first."""
-    for record in records:
-        record.skips.poll(wait=True)
+            watch.arm(self)

@@ -5,7 +5,8 @@ Parallel lists keyed by parameter identity, read over whole lists at C level (`m
 step costs a constant number of Python calls however many parameters the model has:
 
 - every row: a parameter it steps as the model holds it (`params`), the module `_parameters` dict
-  and the name it sits under (`dicts`, `names`), its qualified name for messages;
+  and the name it sits under (`dicts`, `names`), its qualified name for messages; and the
+  optimizer's parameters that are no masters (`plain_params`, by its param groups);
 - the master rows (O2, the parameters amp cast): the low-precision parameter (`models`), its FP32
   master (`masters`, what the optimizer steps) and the marks: both sides' version counters, the
   parameter's data pointer and shape (`param.data = t` keeps the version counter: the storage
@@ -18,20 +19,34 @@ master (through `model.state_dict()`, which returns it) reaches the parameter; t
 a conflict. Writes through `param.data` in place bump no version counter: they are not seen.
 
 amp keeps one more table per `amp.initialize` for the cast parameters no optimizer steps (frozen):
-master rows whose FP32 copy nothing steps, so that their exact FP32 values come back too.
+master rows whose FP32 copy nothing steps, so that their exact FP32 values come back too. Every
+FP32 copy of a cast parameter is in one table of `amp_state.tables` (`find` says which).
 """
 
 import operator
 
 import torch
 
+from .. import distributed, kernels
 from ..casting.casts import LOW_PRECISION
+from .columns import NONES, consume, repeat
 
-__all__ = ["ParamTable"]
+__all__ = ["ParamTable", "find"]
 
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
 _DATA = torch.Tensor.data_ptr
+_PARAMS = operator.itemgetter("params")
+
+
+def find(param, tables):
+    """(table, row) of `param`'s FP32 copy among `tables` (this initialize's: amp_state.tables;
+    a copy of a model holds copies of them), or (None, None)."""
+    for table in tables:
+        row = table.index.get(id(param))
+        if row is not None:
+            return table, row
+    return None, None
 
 
 class ParamTable:
@@ -40,9 +55,13 @@ class ParamTable:
     def __init__(self, frozen=False):
         self.frozen = frozen  # the cast parameters no optimizer steps
         self.params, self.dicts, self.names, self.qualified = [], [], [], []
+        self.qualified_of = {}  # id(parameter as the model holds it) -> its qualified name
         self.models, self.masters = [], []
         self.index = {}  # id(model parameter) -> its master row
+        self.master_index = {}  # id(master) -> its row
         self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
+        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
+        self._plain = (None, [])  # (the param groups' lengths, the plain parameters)
 
     # -- where the parameters sit --------------------------------------------------------------
 
@@ -54,16 +73,60 @@ class ParamTable:
         self.dicts = [place[0] for _, place in found]
         self.names = [place[1] for _, place in found]
         self.qualified = [place[2] for _, place in found]
+        self.qualified_of = dict(zip(map(id, self.params), self.qualified))
 
     def in_place(self):
         """True when every parameter still sits where it was anchored (C-level lookups)."""
         return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.params))
+
+    def name_of(self, param, groups):
+        """The qualified name of a parameter the optimizer steps (a master: its model
+        parameter's), or its place in `groups` for one in no model."""
+        row = self.master_index.get(id(param))
+        held = param if row is None else self.models[row]
+        name = self.qualified_of.get(id(held))
+        if name is not None:
+            return name
+        for group_index, group in enumerate(groups):
+            for param_index, candidate in enumerate(group["params"]):
+                if candidate is param or candidate is held:
+                    return f"param_groups[{group_index}]['params'][{param_index}]"
+        return None
+
+    # -- the optimizer's parameters ------------------------------------------------------------
+
+    def plain_params(self, groups):
+        """The parameters in `groups` that are not FP32 masters (kept while the groups' lengths
+        stay)."""
+        signature = tuple(map(len, map(_PARAMS, groups)))
+        cached_signature, params = self._plain
+        if signature != cached_signature:
+            masters = self.master_index
+            params = [p for group in groups for p in group["params"] if id(p) not in masters]
+            self._plain = (signature, params)
+            self.sharded = distributed.has_dtensors(params)  # FSDP2: unscale the local shards
+        return params  # shared: callers do not modify it
+
+    def grad_holders(self, groups):
+        """Every tensor whose `.grad` a backward of the optimizer's loss writes."""
+        plain = self.plain_params(groups)
+        return plain + self.models if self.models else plain
+
+    def forget_groups(self):
+        """The param groups changed (a load, a new group): plain_params looks again."""
+        self._plain = (None, [])
+
+    def models_of(self, params):
+        """Each of `params`' model parameter, None for one that is no master."""
+        models, index = self.models, self.master_index
+        return [None if row is None else models[row] for row in map(index.get, map(id, params))]
 
     # -- master rows -------------------------------------------------------------------------
 
     def add_master(self, model_param, master):
         """A master row: amp has just made `master` from `model_param` (they agree)."""
         self.index[id(model_param)] = len(self.models)
+        self.master_index[id(master)] = len(self.models)
         self.models.append(model_param)
         self.masters.append(master)
         self.low_versions.append(None)
@@ -84,12 +147,17 @@ class ParamTable:
             self.shapes,
         ):
             del column[row]
-        self.index = {id(param): i for i, param in enumerate(self.models)}
+        self._index()
         return master
 
     def clear_masters(self):
-        self.models, self.masters, self.index = [], [], {}
+        self.models, self.masters = [], []
+        self._index()
         self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
+
+    def _index(self):
+        self.index = {id(param): row for row, param in enumerate(self.models)}
+        self.master_index = {id(master): row for row, master in enumerate(self.masters)}
 
     def mark(self):
         """amp (or a load) has just made every master row's two sides agree."""
@@ -148,6 +216,25 @@ class ParamTable:
                     master.copy_(torch.where(changed, model.float(), master))
         self.mark_row(row)
 
+    def write_models(self):
+        """After the optimizer stepped the masters: the model takes their values (rounded to
+        nearest even), amp marks that write as its own, and the master gradients go (no
+        model.zero_grad() reaches them; apex did the same)."""
+        # torch.no_grad() inlined: its context manager's calls would run at every step.
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            kernels.copy_(self.masters, self.models, check=False)
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
+        self.models_written()
+
+    def models_written(self):
+        """A step wrote the masters into the model (the fused step does it in its pass): amp
+        marks that write as its own, and the master gradients go."""
+        self.mark()
+        consume(map(setattr, self.masters, repeat("grad"), NONES))
+
     def push_written_masters(self):
         """Copy every master written since its mark into its parameter (a state dict handed it
         out and the model is about to compute)."""
@@ -172,13 +259,14 @@ class ParamTable:
             version == master._version
             for master, version in zip(self.masters, self.master_versions)
         ]
-        del state["low_datas"], state["index"]
+        del state["low_datas"], state["index"], state["master_index"], state["qualified_of"]
         return state
 
     def __setstate__(self, state):
         clean_low, clean_master = state.pop("low_versions"), state.pop("master_versions")
         self.__dict__.update(state)
-        self.index = {id(param): i for i, param in enumerate(self.models)}
+        self._index()
+        self.qualified_of = dict(zip(map(id, self.params), self.qualified))
         self.low_versions = [
             model._version if clean else None for model, clean in zip(self.models, clean_low)
         ]

@@ -2,11 +2,19 @@
 from a seeded batch, the masters as the optimizer holds them (read without any amp call)."""
 
 import io
+import os
+import unittest.mock
 
 import torch
 
 import amp
 from helpers.models import make_model
+
+
+def general_path(general=True):
+    """amp.initialize inside it sets O2 up without amp's fused master step, so that every step is
+    the optimizer's own (AMP_FUSED_STEP=0, README); general=False changes nothing."""
+    return unittest.mock.patch.dict(os.environ, {"AMP_FUSED_STEP": "0"} if general else {})
 
 
 def make_square_model(seed=0):

@@ -6,7 +6,8 @@ import torch
 
 import amp
 from helpers.state import scaled_step
-from amp.scaling.scaler import LossScaler, check_state
+from amp.scaling.scaler import LossScaler
+from amp.scaling.values import check_state
 from helpers.models import loss_of
 from helpers.o2 import static_o2
 from helpers.state import assert_same, everything, step_cleanly

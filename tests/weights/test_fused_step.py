@@ -12,6 +12,7 @@ import torch
 import amp
 from helpers import ROOT
 from helpers.models import inject, loss_of, make_model
+from helpers.o2 import general_path
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import device_work  # noqa: E402
@@ -56,7 +57,7 @@ def train(
     inside=None,
     width=None,
 ):
-    """An O2 model trained `steps` steps; `general` forces the general path (a step hook). The
+    """An O2 model trained `steps` steps; `general` forces the general path (AMP_FUSED_STEP=0). The
     optimizer is torch's fused implementation, the one amp's torch backend runs, so that its own
     steps (the first, and the general path's) compute what the fused step does."""
     sizes = dict(inputs=width, hidden=2 * width, outputs=width) if width else {}
@@ -64,9 +65,10 @@ def train(
     loss_sizes = dict(inputs=width, outputs=width) if width else {}
     fused = {"fused": True} if cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD) else {}
     optimizer = cls(model.parameters(), **options, **fused)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", dtype=dtype, verbosity=0)
-    if general:
-        optimizer.register_step_pre_hook(lambda *args: None)
+    with general_path(general):
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=dtype, verbosity=0
+        )
     for step in range(steps):
         optimizer.zero_grad()
         with amp.scale_loss(loss_of(model, step, **loss_sizes), optimizer) as scaled:
@@ -179,7 +181,7 @@ def test_the_state_dict_keeps_torchs_format_and_loads_into_a_plain_optimizer():
 def copies_in_flight(monkeypatch):
     """The host copies of the blocks' flags have not arrived by the step (as on a GPU), so that
     the step either hands the flag to the device or reads it (counted by Tensor.item)."""
-    from amp.scaling.checks import Check
+    from amp.scaling.scaler import Check
 
     arrived = Check.arrived
     monkeypatch.setattr(
@@ -513,13 +515,11 @@ def _two_optimizers_one_scaler(general, delay_overflow_check):
     sizes = dict(inputs=16, hidden=32, outputs=16)
     models = [make_model(batch_norm=False, seed=seed, **sizes) for seed in (0, 1)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True) for m in models]
-    models, optimizers = amp.initialize(
-        models, optimizers, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
+    with general_path(general):
+        models, optimizers = amp.initialize(
+            models, optimizers, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+        )
     amp_state.loss_scalers[0].growth_interval = 1
-    if general:
-        for optimizer in optimizers:
-            optimizer.register_step_pre_hook(lambda *args: None)
     for step in range(3):
         for index, (model, optimizer) in enumerate(zip(models, optimizers)):
             optimizer.zero_grad()

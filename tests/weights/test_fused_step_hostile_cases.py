@@ -7,17 +7,17 @@ import torch
 import amp
 from helpers.floats import ulps
 from helpers.models import loss_of, make_model
+from helpers.o2 import general_path
 
 
 def _train(general, clip_through, steps=4, cls=torch.optim.AdamW, options=None):
     options = options or dict(lr=0.01, fused=True)  # bit for bit with the kernel (one thread)
     model = make_model(inputs=16, hidden=32, outputs=16)
     optimizer = cls(model.parameters(), **options)
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
-    if general:
-        optimizer.register_step_pre_hook(lambda *args: None)
+    with general_path(general):
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+        )
     norms = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -69,13 +69,12 @@ def test_clipping_a_list_of_master_params_taken_once_clips_every_step(emulated_c
 
 def _stepped(model, cls, options, general, steps=3):
     """The masters and the optimizer's state tensors after `steps` O2 steps of `model`: amp's
-    fused step, or (`general`) the optimizer's own, which a step hook selects."""
+    fused step, or (`general`) the optimizer's own (AMP_FUSED_STEP=0)."""
     optimizer = cls(model.parameters(), **options)
-    model, optimizer = amp.initialize(
-        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-    )
-    if general:
-        optimizer.register_step_pre_hook(lambda *args: None)
+    with general_path(general):
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+        )
     for step in range(steps):
         optimizer.zero_grad()
         with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
