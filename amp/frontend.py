@@ -294,7 +294,7 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     ]
     if with_masters:
         engines.follow_ddp_broadcast(ledger)
-    cast = []  # the ModelShadows of the cast models
+    cast = []  # the ModelCopies of the cast models
     for model in models:
         if cast_dtype is not None and cast_dtype is not torch.float32:
             keep_fp32 = bool(properties.master_weights)

@@ -68,7 +68,7 @@ class _Snapshot:
                 slots.update(saved)
         with torch.no_grad():
             for tensor, saved in self.tensors:
-                # Only what changed: a copy bumps the version amp's O2 shadows watch.
+                # Only what changed: a copy bumps the version amp's O2 tables watch.
                 if not torch.equal(tensor, saved) or _has_nan(saved):
                     tensor.copy_(saved)
         torch.set_rng_state(self.cpu_rng)

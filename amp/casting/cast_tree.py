@@ -8,7 +8,7 @@ import torch
 
 from .casts import CASTABLE
 
-__all__ = ["cast_tree"]
+__all__ = ["cast_tree", "CastInputs", "CastOutputs"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -116,3 +116,24 @@ def _rebuild_dataclass(value, dtype, device_filter):
     for name, item in changes.items():
         object.__setattr__(new, name, item)  # works for frozen dataclasses too
     return new
+
+
+class CastInputs:
+    """Forward pre-hook casting a model's floating inputs (O0/O2/O3; a class, so that a model
+    pickles with it)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return cast_tree(args, self.dtype), (cast_tree(kwargs, self.dtype) if kwargs else kwargs)
+
+
+class CastOutputs:
+    """Forward hook casting a model's floating outputs."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return cast_tree(output, self.dtype)

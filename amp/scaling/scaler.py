@@ -108,7 +108,7 @@ class LossScaler:
 
     def _device_state(self, device):
         host = self._host
-        state = self._state = new_state(host.inv, host.unskipped, device)
+        state = self._state = _new_state(host.inv, host.unskipped, device)
         self._inv = state.view(torch.float32)[INV]
         keep = torch.tensor([1, 1] + [0] * (STATE_LENGTH - 2), dtype=torch.int32)
         self._keep = keep.to(device)
@@ -270,7 +270,7 @@ INV, TRACKER, FOUND, BAD, FOUND_EFFECTIVE = range(STATE_LENGTH)
 _HOST_COPIES = 4  # copies of a scaler's state on their way to the host at most
 
 
-def new_state(inv_scale, unskipped, device):
+def _new_state(inv_scale, unskipped, device):
     """A scaler's first device state, from the host's inverse scale and count; flags cleared."""
     (inv_bits,) = struct.unpack("<i", struct.pack("<f", float32(inv_scale)))
     words = [inv_bits, unskipped] + [0] * (STATE_LENGTH - 2)

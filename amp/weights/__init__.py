@@ -1,4 +1,5 @@
-"""O2/O3 weights: model casting with FP32 batch norm, FP32 master weights and shadows, the
-optimizer instrumentation (with scale_loss's gradient stash and the skip decision of its steps)
-and optimizer state that carry the masters, and the distributed engines amp refuses or follows
-(weights/engines.py)."""
+"""O2/O3 weights: model casting with FP32 batch norm and the FP32 values amp keeps behind the
+low-precision tensors (the optimizers' tables of masters, the models' buffer tables, their state
+dicts); the owner of each optimizer's step (optimizer.py) and its parts: the gradient stash of
+scale_loss, the fused master step, the deferred gradients, the skip reports; optimizer state that
+carries the masters; and the distributed engines amp refuses or follows (engines.py)."""

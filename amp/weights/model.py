@@ -1,4 +1,5 @@
-"""O0/O2/O3 model handling: weight casting, FP32 batch norm, forward input/output casts, FP32 state dicts.
+"""O0/O2/O3 model handling: weight casting, FP32 batch norm, forward input/output casts
+(casting/cast_tree.py's hooks), FP32 state dicts (model_state.py's hooks).
 
 Inputs and outputs are cast by forward hooks rather than by replacing `forward`, so replicas made
 by DataParallel and copies made by `copy.deepcopy` cast too (apex's patched `forward` was bound to
@@ -11,19 +12,12 @@ import torch
 
 from .._state import amp_state
 from ..casting import fp32_modules
-from ..casting.cast_tree import cast_tree
+from ..casting.cast_tree import CastInputs, CastOutputs
 from ..casting.casts import LOW_PRECISION
+from .buffers import BufferTable, held_exactly
 from .masters import frozen_table, new_master
+from .model_state import FP32StateDict, LoadIntoCopies, MarkLoaded, ModelCopies, SyncBeforeForward
 from .table import find
-from .shadows import (
-    FP32StateDict,
-    LoadIntoShadows,
-    MarkLoaded,
-    ModelShadows,
-    Shadow,
-    SyncBeforeForward,
-    held_exactly,
-)
 
 __all__ = [
     "check_model",
@@ -31,8 +25,6 @@ __all__ = [
     "parameters_to_cast",
     "cast_model",
     "release_exact",
-    "CastInputs",
-    "CastOutputs",
     "cast_forward",
 ]
 
@@ -112,34 +104,38 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
     Parameters keep their identity (their `.data` is swapped). Each cast parameter keeps its FP32
     value when `keep_fp32_params` (O2): its master if an optimizer steps it, else an FP32 copy in
     the table of frozen parameters (masters.frozen_table), so that frozen parameters keep their
-    FP32 values too. Each cast buffer keeps its FP32 original as its shadow (shadows.py;
-    release_exact releases the exact ones once initialize succeeded). Undo puts the FP32 values
-    back (O3 parameters, which have none, come back upcast). Returns the model's ModelShadows.
+    FP32 values too. Each cast buffer keeps its FP32 original in the model's buffer table
+    (buffers.py; release_exact releases the exact ones once initialize succeeded). Undo puts the
+    FP32 values back (O3 parameters, which have none, come back upcast). Returns the model's
+    ModelCopies (model_state.py).
     """
     params = parameters_to_cast(model, keep_batchnorm_fp32)
-    model_shadows = ModelShadows(amp_state.tables)
     if keep_fp32_params:
         frozen = None
         for param in params:
             if find(param, amp_state.tables)[0] is None:
                 frozen = frozen or frozen_table()
                 frozen.add_master(param, new_master(param))
-    _shadow_buffers(model, model_shadows, keep_batchnorm_fp32, dtype)
+    buffers = BufferTable()
+    for module in _modules_to_cast(model, keep_batchnorm_fp32):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.dtype is torch.float32:
+                buffers.add(module, name, buffer, exact=held_exactly(buffer, dtype))
+    copies = ModelCopies(amp_state.tables, buffers)
 
     def undo():
-        model_shadows.sync()
+        copies.sync()
         with torch.no_grad():
             for param in params:
                 if param.dtype is not torch.float32:
-                    table, row = find(param, model_shadows.tables)
+                    table, row = find(param, copies.tables)
                     param.data = table.masters[row].data if table else param.data.float()
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
-            for by_name in model_shadows.buffers.values():
-                for shadow in by_name.values():
-                    current = shadow.current()
-                    if current is not None and current.dtype in LOW_PRECISION:
-                        shadow.module._buffers[shadow.name] = shadow.full()
+            for row, (module, name) in enumerate(buffers.places):
+                current = buffers.current(row)
+                if current is not None and current.dtype in LOW_PRECISION:
+                    module._buffers[name] = buffers.full(row)
         _flatten_rnns(model)
 
     ledger.add_undo(f"FP32 weights back into {type(model).__name__}", undo)
@@ -148,39 +144,25 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             param.data = param.data.to(dtype)
             if param.grad is not None:
                 param.grad = param.grad.to(dtype)
-        for module, by_name in model_shadows.buffers.items():
-            for name, shadow in by_name.items():
-                module._buffers[name] = shadow.fp32.to(dtype)
+        for (module, name), fp32 in zip(buffers.places, buffers.masters):
+            module._buffers[name] = fp32.to(dtype)
     for param in params:
-        table, row = find(param, model_shadows.tables)
+        table, row = find(param, copies.tables)
         if table is not None:
             table.mark_row(row)
-    for by_name in model_shadows.buffers.values():
-        for shadow in by_name.values():
-            shadow.mark()
+    buffers.mark_places()
     _flatten_rnns(model)
-    _register_state_dict_hooks(model, model_shadows, ledger)
-    return model_shadows
-
-
-def _shadow_buffers(model, model_shadows, keep_batchnorm_fp32, dtype):
-    """A Shadow for each FP32 buffer to cast."""
-    for module in _modules_to_cast(model, keep_batchnorm_fp32):
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.dtype is torch.float32:
-                model_shadows.buffers.setdefault(module, {})[name] = Shadow(
-                    module, name, False, buffer, exact=held_exactly(buffer, dtype)
-                )
+    _register_state_dict_hooks(model, copies, ledger)
+    return copies
 
 
 def release_exact(cast):
-    """Buffers the low precision holds exactly are held once, in it (Shadow.release): called
-    with the ModelShadows of every cast model once initialize has succeeded (its snapshot, which
-    holds the buffers to put back on a failure, gone; a buffer may be shared between models)."""
-    for model_shadows in cast:
-        for by_name in model_shadows.buffers.values():
-            for shadow in by_name.values():
-                shadow.release()
+    """Buffers the low precision holds exactly are held once, in it (BufferTable.release_exact):
+    called with the ModelCopies of every cast model once initialize has succeeded (its snapshot,
+    which holds the buffers to put back on a failure, gone; a buffer may be shared between
+    models)."""
+    for copies in cast:
+        copies.buffers.release_exact()
 
 
 def _flatten_rnns(model):
@@ -188,26 +170,6 @@ def _flatten_rnns(model):
     for module in model.modules():
         if isinstance(module, torch.nn.RNNBase):
             module.flatten_parameters()
-
-
-class CastInputs:
-    """Forward pre-hook casting floating inputs (a class, so that a model pickles with it)."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, kwargs):
-        return cast_tree(args, self.dtype), (cast_tree(kwargs, self.dtype) if kwargs else kwargs)
-
-
-class CastOutputs:
-    """Forward hook casting floating outputs."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, output):
-        return cast_tree(output, self.dtype)
 
 
 def cast_forward(model, input_dtype, output_dtype, ledger):
@@ -221,13 +183,14 @@ def cast_forward(model, input_dtype, output_dtype, ledger):
     ledger.add_hook(handle, "output cast hook")
 
 
-def _register_state_dict_hooks(model, model_shadows, ledger):
+def _register_state_dict_hooks(model, copies, ledger):
     """Make `state_dict()` FP32 (and live) at every level and `load_state_dict` fill the FP32
-    values: hooks on every module, each also serving the submodules made later (shadows.py)."""
-    hook = SyncBeforeForward(model_shadows)
-    ledger.add_hook(model.register_forward_pre_hook(hook, prepend=True), "shadow sync hook")
+    values: hooks on every module, each also serving the submodules made later
+    (model_state.py)."""
+    hook = SyncBeforeForward(copies)
+    ledger.add_hook(model.register_forward_pre_hook(hook, prepend=True), "FP32 sync hook")
     for module in model.modules():
-        model_shadows.hooked.add(module)
+        copies.hooked.add(module)
         if hasattr(module, "register_load_state_dict_pre_hook"):
             load_pre_hook = module.register_load_state_dict_pre_hook
         else:  # torch < 2.5
@@ -239,8 +202,8 @@ def _register_state_dict_hooks(model, model_shadows, ledger):
         else:  # torch < 2.5
             post_hook = module._register_state_dict_hook
         for handle in (
-            post_hook(FP32StateDict(model_shadows)),
-            load_pre_hook(LoadIntoShadows(model_shadows)),
-            module.register_load_state_dict_post_hook(MarkLoaded(model_shadows)),
+            post_hook(FP32StateDict(copies)),
+            load_pre_hook(LoadIntoCopies(copies)),
+            module.register_load_state_dict_post_hook(MarkLoaded(copies)),
         ):
             ledger.add_hook(handle, "FP32 state dict hook")

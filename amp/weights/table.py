@@ -1,5 +1,7 @@
 """The table of one optimizer: the parameters it steps, where each sits in its model, and at O2
-their FP32 masters with the marks amp took after its own last write into them.
+their FP32 masters with the marks amp took after its own last write into them; and `Rows`, the
+marks and the sync of every pair of a low-precision tensor and its FP32 value amp keeps (the
+masters here, the buffers' FP32 values in buffers.py).
 
 Parallel lists keyed by parameter identity, read over whole lists at C level (`map`), so that a
 step costs a constant number of Python calls however many parameters the model has:
@@ -31,7 +33,7 @@ from .. import distributed, kernels
 from ..casting.casts import LOW_PRECISION
 from .columns import NONES, consume, repeat
 
-__all__ = ["ParamTable", "find"]
+__all__ = ["Rows", "ParamTable", "find"]
 
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
@@ -49,17 +51,140 @@ def find(param, tables):
     return None, None
 
 
-class ParamTable:
+class Rows:
+    """Pairs of a low-precision tensor as the model holds it (`models`) and its FP32 value, the
+    one that wins (`masters`: the optimizer's master for a parameter it steps), with the marks of
+    amp's last write: both sides' version counters, the low side's data pointer and shape."""
+
+    def __init__(self):
+        self.models, self.masters = [], []
+        self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
+
+    def mark(self):
+        """amp (or a load) has just made every row's two sides agree."""
+        models = self.models
+        self.low_versions = list(map(_VERSION, models))
+        self.low_datas = list(map(_DATA, models))
+        self.master_versions = list(map(_VERSION, self.masters))
+        self.shapes = list(map(_SHAPE, models))
+
+    def mark_row(self, row):
+        model, master = self.models[row], self.masters[row]
+        self.low_versions[row] = model._version
+        self.low_datas[row] = _DATA(model)
+        self.master_versions[row] = master._version
+        self.shapes[row] = model.shape
+
+    def unchanged(self):
+        """True when no side of any row was written since its mark (C-level compares)."""
+        models = self.models
+        return (
+            list(map(_VERSION, models)) == self.low_versions
+            and list(map(_DATA, models)) == self.low_datas
+            and list(map(_VERSION, self.masters)) == self.master_versions
+            and list(map(_SHAPE, models)) == self.shapes
+        )
+
+    def masters_unwritten(self):
+        """True when no FP32 side was written since its mark (a C-level compare)."""
+        return list(map(_VERSION, self.masters)) == self.master_versions
+
+    def take_outside_writes(self):
+        """Bring every row in step after writes from outside amp (see the module doc). The usual
+        answer, nothing written, costs the list compares of `unchanged`."""
+        if self.models and not self.unchanged():
+            for row in range(len(self.models)):
+                self.sync_row(row)
+
+    def push_written_masters(self):
+        """Copy every FP32 value written since its mark into its low-precision tensor (a state
+        dict handed it out and the model is about to compute)."""
+        if self.models and not self.masters_unwritten():
+            for row in range(len(self.models)):
+                if self.masters[row]._version != self.master_versions[row]:
+                    self.sync_row(row)
+
+    def written(self, row):
+        model = self.models[row]
+        return (
+            model._version != self.low_versions[row]
+            or _DATA(model) != self.low_datas[row]
+            or model.shape != self.shapes[row]
+            or self.masters[row]._version != self.master_versions[row]
+        )
+
+    def sync_row(self, row):
+        """Copy a write made since the row's mark across; the FP32 side wins a conflict."""
+        if self.written(row):
+            self._sync(row, self.models[row], compare=False)
+
+    def _sync(self, row, model, compare):
+        """The FP32-wins rule for `model`, the row's low-precision tensor now (a new one when the
+        model replaced it): a new shape or tensor is the value; else a written FP32 side is
+        copied into it; else (or `compare`: always) its changed elements into the FP32 side."""
+        master = self.masters[row]
+        if model.dtype in LOW_PRECISION:  # else replaced by FP32 data: nothing to keep
+            with torch.no_grad():
+                if model is not self.models[row] or model.shape != master.shape:
+                    self._replace(row, model.detach().float())
+                elif master._version != self.master_versions[row]:
+                    model.copy_(master)
+                elif compare or model._version != self.low_versions[row] or (
+                    _DATA(model) != self.low_datas[row]
+                ):
+                    changed = model != master.to(model.dtype)
+                    master.copy_(torch.where(changed, model.float(), master))
+        self.models[row] = model
+        self.mark_row(row)
+
+    def _replace(self, row, value):
+        """The row's FP32 side becomes `value` (the master keeps its identity: the optimizer
+        holds it)."""
+        self.masters[row].data = value
+
+    # -- copies of the model (deepcopy, pickle) ------------------------------------------------
+
+    def __getstate__(self):
+        # A copy's tensors count versions anew: it keeps, for each row, whether each side was
+        # written since its mark, so that a write not yet taken over is taken over in the copy
+        # as in the original.
+        state = self.__dict__.copy()
+        models = self.models
+        state["low_versions"] = [
+            version == model._version and data == _DATA(model)
+            for model, version, data in zip(models, self.low_versions, self.low_datas)
+        ]
+        state["master_versions"] = [
+            version == master._version
+            for master, version in zip(self.masters, self.master_versions)
+        ]
+        del state["low_datas"]
+        return state
+
+    def __setstate__(self, state):
+        clean_low, clean_master = state.pop("low_versions"), state.pop("master_versions")
+        self.__dict__.update(state)
+        self.low_versions = [
+            model._version if clean else None for model, clean in zip(self.models, clean_low)
+        ]
+        self.low_datas = [
+            _DATA(model) if clean else None for model, clean in zip(self.models, clean_low)
+        ]
+        self.master_versions = [
+            master._version if clean else None for master, clean in zip(self.masters, clean_master)
+        ]
+
+
+class ParamTable(Rows):
     """The rows of one optimizer (or of the frozen parameters of one initialize)."""
 
     def __init__(self, frozen=False):
+        super().__init__()
         self.frozen = frozen  # the cast parameters no optimizer steps
         self.params, self.dicts, self.names, self.qualified = [], [], [], []
         self.qualified_of = {}  # id(parameter as the model holds it) -> its qualified name
-        self.models, self.masters = [], []
         self.index = {}  # id(model parameter) -> its master row
         self.master_index = {}  # id(master) -> its row
-        self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
         self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
         self._plain = (None, [])  # (the param groups' lengths, the plain parameters)
 
@@ -151,70 +276,12 @@ class ParamTable:
         return master
 
     def clear_masters(self):
-        self.models, self.masters = [], []
+        Rows.__init__(self)
         self._index()
-        self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
 
     def _index(self):
         self.index = {id(param): row for row, param in enumerate(self.models)}
         self.master_index = {id(master): row for row, master in enumerate(self.masters)}
-
-    def mark(self):
-        """amp (or a load) has just made every master row's two sides agree."""
-        models = self.models
-        self.low_versions = list(map(_VERSION, models))
-        self.low_datas = list(map(_DATA, models))
-        self.master_versions = list(map(_VERSION, self.masters))
-        self.shapes = list(map(_SHAPE, models))
-
-    def mark_row(self, row):
-        model, master = self.models[row], self.masters[row]
-        self.low_versions[row] = model._version
-        self.low_datas[row] = _DATA(model)
-        self.master_versions[row] = master._version
-        self.shapes[row] = model.shape
-
-    def unchanged(self):
-        """True when no side of any master row was written since its mark (C-level compares)."""
-        models = self.models
-        return (
-            list(map(_VERSION, models)) == self.low_versions
-            and list(map(_DATA, models)) == self.low_datas
-            and list(map(_VERSION, self.masters)) == self.master_versions
-            and list(map(_SHAPE, models)) == self.shapes
-        )
-
-    def take_outside_writes(self):
-        """Bring every master row in step after writes from outside amp (see the module doc).
-        The usual answer, nothing written, costs the list compares of `unchanged`."""
-        if self.models and not self.unchanged():
-            for row in range(len(self.models)):
-                self.sync_row(row)
-
-    def written(self, row):
-        model = self.models[row]
-        return (
-            model._version != self.low_versions[row]
-            or _DATA(model) != self.low_datas[row]
-            or model.shape != self.shapes[row]
-            or self.masters[row]._version != self.master_versions[row]
-        )
-
-    def sync_row(self, row):
-        """Copy a write made since the row's mark across; the FP32 side wins a conflict."""
-        if not self.written(row):
-            return
-        model, master = self.models[row], self.masters[row]
-        if model.dtype in LOW_PRECISION:  # else replaced by FP32 data: nothing to shadow
-            with torch.no_grad():
-                if model.shape != master.shape:
-                    master.data = model.detach().float()  # new data of another shape: the value
-                elif master._version != self.master_versions[row]:
-                    model.copy_(master)
-                else:
-                    changed = model != master.to(model.dtype)
-                    master.copy_(torch.where(changed, model.float(), master))
-        self.mark_row(row)
 
     def write_models(self):
         """After the optimizer stepped the masters: the model takes their values (rounded to
@@ -235,44 +302,12 @@ class ParamTable:
         self.mark()
         consume(map(setattr, self.masters, repeat("grad"), NONES))
 
-    def push_written_masters(self):
-        """Copy every master written since its mark into its parameter (a state dict handed it
-        out and the model is about to compute)."""
-        if self.models and list(map(_VERSION, self.masters)) != self.master_versions:
-            for row in range(len(self.models)):
-                if self.masters[row]._version != self.master_versions[row]:
-                    self.sync_row(row)
-
-    # -- copies of the model (deepcopy, pickle) ------------------------------------------------
-
     def __getstate__(self):
-        # A copy's tensors count versions anew: it keeps, for each row, whether each side was
-        # written since its mark, so that a write not yet taken over is taken over in the copy
-        # as in the original.
-        state = self.__dict__.copy()
-        models = self.models
-        state["low_versions"] = [
-            version == model._version and data == _DATA(model)
-            for model, version, data in zip(models, self.low_versions, self.low_datas)
-        ]
-        state["master_versions"] = [
-            version == master._version
-            for master, version in zip(self.masters, self.master_versions)
-        ]
-        del state["low_datas"], state["index"], state["master_index"], state["qualified_of"]
+        state = super().__getstate__()
+        del state["index"], state["master_index"], state["qualified_of"]
         return state
 
     def __setstate__(self, state):
-        clean_low, clean_master = state.pop("low_versions"), state.pop("master_versions")
-        self.__dict__.update(state)
+        super().__setstate__(state)
         self._index()
         self.qualified_of = dict(zip(map(id, self.params), self.qualified))
-        self.low_versions = [
-            model._version if clean else None for model, clean in zip(self.models, clean_low)
-        ]
-        self.low_datas = [
-            _DATA(model) if clean else None for model, clean in zip(self.models, clean_low)
-        ]
-        self.master_versions = [
-            master._version if clean else None for master, clean in zip(self.masters, clean_master)
-        ]

@@ -8,7 +8,7 @@ import unittest.mock
 import torch
 
 import amp
-from helpers.models import make_model
+from helpers.models import make_model, make_stack
 
 
 def general_path(general=True):
@@ -84,3 +84,21 @@ def linear_o2(lr):
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+
+
+def stepped_stack(lr):
+    """An O2 model and its SGD after one step (its marks batched)."""
+    model = make_stack(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    one_step(model, optimizer)
+    return model, optimizer
+
+
+def one_step(model, optimizer):
+    loss = model(torch.randn(8, 4)).float().sum()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()

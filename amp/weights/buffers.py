@@ -1,0 +1,140 @@
+"""The FP32 values of the low-precision tensors a model's modules hold by name: its cast buffers
+(kept from initialize on) and, at O3, the parameters a state dict handed out (kept until the next
+forward has taken what was written into them).
+
+Rows of table.Rows, found by place (a module and a name) rather than by identity: a module may
+replace a buffer by assignment, and the new tensor is then the value, in a new FP32 object (the
+old one may be held elsewhere). A buffer is compared at every sync: batch norm updates its
+running statistics in place without bumping their version counter.
+
+A buffer whose values the low precision holds exactly (a causal mask of 0 and -inf, integer
+positions) keeps its original FP32 object with the memory released (`release_exact`) until a
+state dict or a load needs the FP32 values apart (`full`), so that O2 holds it once.
+"""
+
+import sys
+
+import torch
+
+from ..casting.casts import LOW_PRECISION
+from .table import Rows
+
+__all__ = ["BufferTable", "held_exactly"]
+
+
+class BufferTable(Rows):
+    """The rows of one model's tensors of one kind: `slot` is the modules' dict they sit in
+    ("_buffers", or "_parameters" for O3's)."""
+
+    def __init__(self, slot="_buffers"):
+        super().__init__()
+        self.slot = slot
+        self.places = []  # (module, name) of each row
+        self.exact = []  # the low precision holds the row's values: its FP32 side is released
+        self.rows = {}  # module -> {name: row}
+
+    def add(self, module, name, fp32, exact=False):
+        """A row for the tensor `module` holds under `name`, whose FP32 value is `fp32`."""
+        row = len(self.models)
+        self.rows.setdefault(module, {})[name] = row
+        self.places.append((module, name))
+        self.models.append(getattr(module, self.slot)[name])
+        self.masters.append(fp32)
+        self.exact.append(exact)
+        self.low_versions.append(None)
+        self.low_datas.append(None)
+        self.master_versions.append(None)
+        self.shapes.append(None)
+        self.mark_row(row)
+        return row
+
+    def current(self, row):
+        """The tensor in the row's place now (None if it was removed)."""
+        module, name = self.places[row]
+        return getattr(module, self.slot).get(name)
+
+    def mark_places(self):
+        """The tensors in the rows' places (amp cast them, or a load wrote them) agree with their
+        FP32 values: amp's own write."""
+        for row in range(len(self.models)):
+            self.mark_place(row)
+
+    def mark_place(self, row):
+        low = self.current(row)
+        if low is not None:
+            self.models[row] = low
+            self.mark_row(row)
+
+    def sync(self):
+        """Every write since the marks taken across (the FP32 side wins a conflict)."""
+        for row in range(len(self.models)):
+            self.sync_row(row)
+
+    def sync_row(self, row):
+        low = self.current(row)
+        if low is None or low.dtype not in LOW_PRECISION:
+            return  # removed, or replaced by an FP32 tensor: nothing to keep
+        if self.exact[row]:  # the FP32 values are the low-precision tensor's, whatever was written
+            if low is not self.models[row]:  # a new tensor was assigned: it is the value
+                self.masters[row], self.exact[row] = low.detach().float(), False
+            self.models[row] = low
+            self.mark_row(row)
+            return
+        self._sync(row, low, compare=True)
+
+    def _replace(self, row, value):
+        self.masters[row] = value  # a new object: the old one may be held elsewhere
+
+    def full(self, row):
+        """The row's FP32 tensor, its values made from the low-precision tensor if it held them
+        (in the original object: its identity is kept)."""
+        if self.exact[row]:
+            low = self.current(row)
+            if low is not None:
+                self.masters[row].data = low.detach().float()
+            self.exact[row] = False
+            self.mark_place(row)
+        return self.masters[row]
+
+    def release_exact(self):
+        """Release the FP32 originals of the exact rows where nothing else holds them or their
+        memory (a module kept FP32, another model, an alias, a view would see them empty) and
+        torch owns that memory (not numpy's, shared or from DLPack: released, it would stop
+        being shared); the others become ordinary rows."""
+        masters = self.masters
+        for row in range(len(masters)):
+            if not self.exact[row]:
+                continue
+            alone = _ALONE is not None and _references(masters, row) == _ALONE
+            storage = masters[row].untyped_storage()
+            owned = storage.resizable() and not storage.is_shared()
+            del storage  # it would count as a use of the storage
+            if owned and alone and masters[row]._base is None:
+                masters[row].data = torch.empty(0, device=masters[row].device)
+            else:
+                self.exact[row] = False
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # None: nothing is released
+
+
+def _references(column, row):
+    """(Python references, uses of its storage) of `column[row]`, counted from here."""
+    if _USE_COUNT is None:
+        return None
+    tensor = column[row]
+    return sys.getrefcount(tensor), _USE_COUNT(tensor.untyped_storage()._cdata)
+
+
+# What _references counts for a tensor that its list alone holds (measured, not assumed: how many
+# references the interpreter's stack adds differs between Python versions).
+_ALONE = _references([torch.zeros(1)], 0)
+
+
+def held_exactly(fp32, dtype):
+    """Whether `dtype` holds every value of the FP32 tensor `fp32` bit for bit (False for a
+    tensor without values to compare: meta, fake, or a subclass)."""
+    if type(fp32) is not torch.Tensor or fp32.device.type == "meta":
+        return False
+    bits = torch.int32
+    return torch.equal(fp32.to(dtype).float().view(bits), fp32.detach().view(bits))
