@@ -1,5 +1,6 @@
 """The owner of an optimizer under amp: the record amp keeps per optimizer, and the methods it
-patches on the optimizer (step, zero_grad, add_param_group, the state dicts).
+patches on the optimizer (step, zero_grad, add_param_group; the state dicts where torch's
+state-dict hooks do not run: optimizer_state.py).
 
 The record is made of parts, each handed the data it needs and none holding the record:
 - the table (table.py): the parameters the optimizer steps, where they sit, and at O2 their FP32
@@ -238,12 +239,16 @@ class OptimizerRecord:
     # -- the rest of the optimizer API --------------------------------------------------------
 
     def state_dict(self):
-        return optimizer_state.state_dict(self.originals["state_dict"], self.optimizer, self.table)
+        """Where the optimizer's state dicts run no torch hooks: its own, with the masters."""
+        state = self.originals["state_dict"]()
+        return optimizer_state.saved(self.optimizer, self.table, state)
 
     def load_state_dict(self, state_dict):
-        optimizer_state.load_state_dict(
-            self.originals["load_state_dict"], self.optimizer, self.table, state_dict
-        )
+        """Where they run no torch hooks: the masters checked, the optimizer's own load, the
+        masters written."""
+        state_dict, pending = optimizer_state.loading(self.optimizer, self.table, state_dict)
+        self.originals["load_state_dict"](state_dict)
+        optimizer_state.loaded(self.table, *pending)
 
     def zero_grad(self, *args, **kwargs):
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
@@ -417,11 +422,13 @@ def instrument(optimizer, params_with_masters, ledger):
                 if param in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(param)
                 table.add_master(param, master)
+    hooked = optimizer_state.takes_hooks(optimizer)
     originals = {
         name: getattr(optimizer, name)
         for name in _PATCHED_METHODS
         # add_param_group is optional for an optimizer wrapper (apex_interop/optimizer_wrappers.py)
-        if name != "add_param_group" or hasattr(optimizer, name)
+        if (name != "add_param_group" or hasattr(optimizer, name))
+        and not (hooked and name in ("state_dict", "load_state_dict"))
     }
     fused = deferral = None
     if table.models:
@@ -434,6 +441,9 @@ def instrument(optimizer, params_with_masters, ledger):
     if table.models:
         engines.follow_masters(optimizer, list(zip(table.models, table.masters)), ledger)
     amp_state.tables.append(table)
+    if hooked:
+        for handle in optimizer_state.StateDictHooks(table).register(optimizer):
+            ledger.add_hook(handle, "optimizer state dict hook")
     for name in originals:
         ledger.patch(
             optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)

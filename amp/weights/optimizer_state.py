@@ -1,4 +1,10 @@
-"""Optimizer state dicts that carry the O2 master weights, loaded validate-then-commit."""
+"""Optimizer state dicts that carry the O2 master weights, loaded validate-then-commit.
+
+On a torch optimizer whose class keeps Optimizer's own state_dict and load_state_dict, torch's
+state-dict hooks do it (`StateDictHooks`); on a wrapper (apex's LARC) or a class with its own
+(ZeroRedundancyOptimizer's runs no hook), amp's replacements of the two methods call `saved`,
+`loading` and `loaded` around the optimizer's own.
+"""
 
 import torch
 
@@ -7,14 +13,60 @@ from .._state import amp_state
 from .masters import master_indices
 from .snapshot import OptimizerSnapshot
 
-__all__ = ["MASTER_PARAMS_KEY", "state_dict", "load_state_dict", "check_masters"]
+__all__ = [
+    "MASTER_PARAMS_KEY",
+    "takes_hooks",
+    "StateDictHooks",
+    "saved",
+    "loading",
+    "loaded",
+    "check_masters",
+]
 
 MASTER_PARAMS_KEY = "amp_master_params"
 
 
-def state_dict(original, optimizer, table):
-    """`original()` (the optimizer's own state dict) with the masters of `table`."""
-    state = original()
+def takes_hooks(optimizer):
+    """Whether torch's state-dict hooks run for `optimizer`'s state dicts (its class keeps
+    Optimizer's own state_dict and load_state_dict)."""
+    cls = type(optimizer)
+    return (
+        isinstance(optimizer, torch.optim.Optimizer)
+        and cls.state_dict is torch.optim.Optimizer.state_dict
+        and cls.load_state_dict is torch.optim.Optimizer.load_state_dict
+    )
+
+
+class StateDictHooks:
+    """torch's state-dict hooks of one optimizer (`register` below): the masters of `table` in
+    its state dicts."""
+
+    def __init__(self, table):
+        self.table = table
+        self.pending = None  # (masters to write, the state before) between the load's hooks
+
+    def register(self, optimizer):
+        """The hooks' handles (for amp's ledger to remove)."""
+        return (
+            optimizer.register_state_dict_post_hook(self.saved),
+            optimizer.register_load_state_dict_pre_hook(self.loading),
+            optimizer.register_load_state_dict_post_hook(self.loaded),
+        )
+
+    def saved(self, optimizer, state):
+        return saved(optimizer, self.table, state)
+
+    def loading(self, optimizer, state_dict):
+        state_dict, self.pending = loading(optimizer, self.table, state_dict)
+        return state_dict
+
+    def loaded(self, optimizer):
+        pending, self.pending = self.pending, None
+        loaded(self.table, *pending)
+
+
+def saved(optimizer, table, state):
+    """The optimizer's own state dict `state`, with the masters of `table`."""
     if table.models:
         # A write into the model since the last step (a mask, a broadcast) is the masters' value
         # from then on; a checkpoint serialized before anything else looked must hold it.
@@ -26,20 +78,24 @@ def state_dict(original, optimizer, table):
     return state
 
 
-def load_state_dict(original, optimizer, table, state_dict):
-    """Check the masters, let torch check and load the rest, then write the masters.
+def loading(optimizer, table, state_dict):
+    """Before the optimizer's own load: (the state dict without the masters, (the masters to
+    write after it, the optimizer's state before)), or a clear error, changing nothing.
 
     A checkpoint without the masters key (a plain FP32 one) loads: the masters keep the values
     they have (the model's, after `model.load_state_dict`). With the key, it must hold a master
     for every master here: a partial set would leave some at values from another run.
     """
-    has_masters = hasattr(state_dict, "get") and MASTER_PARAMS_KEY in state_dict
     plan = []
-    if has_masters:
+    if hasattr(state_dict, "get") and MASTER_PARAMS_KEY in state_dict:
         plan = check_masters(optimizer, table, state_dict[MASTER_PARAMS_KEY])
         state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
-    before = OptimizerSnapshot(optimizer)
-    original(state_dict)
+    return state_dict, (plan, OptimizerSnapshot(optimizer))
+
+
+def loaded(table, plan, before):
+    """After the optimizer's own load: the masters written (on an error the optimizer's state
+    before comes back) and marked, with the model's weights."""
     if plan:
         try:
             with torch.no_grad():

@@ -157,3 +157,48 @@ def test_an_optimizer_checkpoint_saved_first_holds_a_write_into_the_model(skippe
     train_step(model, optimizer, seed=3)
     for resumed, expected in zip(optimizer_params(optimizer), went_on):
         assert torch.equal(resumed, expected)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_torch_optimizers_carry_the_masters_through_torchs_state_dict_hooks():
+    """A torch optimizer keeps its own state_dict and load_state_dict methods: torch's state-dict
+    hooks add and take the masters, so every caller of Optimizer.state_dict sees them, and
+    deinitialize leaves no hook behind."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hooks = (
+        optimizer._optimizer_state_dict_post_hooks,
+        optimizer._optimizer_load_state_dict_pre_hooks,
+        optimizer._optimizer_load_state_dict_post_hooks,
+    )
+    amp.initialize(model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert "state_dict" not in vars(optimizer) and "load_state_dict" not in vars(optimizer)
+    step_cleanly(model, optimizer)
+    state = torch.optim.Optimizer.state_dict(optimizer)  # the class's method, unbound
+    assert set(state["amp_master_params"]) == {0, 1, 2, 3}
+    changed = copy.deepcopy(state)
+    changed["amp_master_params"][0].fill_(0.5)
+    torch.optim.Optimizer.load_state_dict(optimizer, changed)
+    assert torch.equal(optimizer_params(optimizer)[0], torch.full_like(model[0].weight, 0.5).float())
+    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 0.5))
+    amp.deinitialize()
+    assert all(len(registered) == 0 for registered in hooks)
+    assert "amp_master_params" not in optimizer.state_dict()
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_an_optimizer_whose_class_saves_its_own_way_carries_the_masters_too():
+    """A class with its own state_dict (ZeroRedundancyOptimizer's runs no torch hook) or a wrapper
+    (apex's LARC) gets amp's replacements of the two methods instead."""
+
+    class OwnStateDict(torch.optim.SGD):
+        def state_dict(self):
+            return {**super().state_dict(), "mine": True}
+
+    model = make_model()
+    optimizer = OwnStateDict(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert "state_dict" in vars(optimizer)
+    step_cleanly(model, optimizer)
+    state = optimizer.state_dict()
+    assert state["mine"] and set(state["amp_master_params"]) == {0, 1, 2, 3}
