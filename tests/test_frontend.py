@@ -1,6 +1,6 @@
 """The front door (amp/frontend.py): amp.initialize's return shapes and refusals (nothing
-changed when it raises or fails halfway), amp.deinitialize, amp.state_dict / load_state_dict,
-amp.master_params and the progress messages."""
+changed when it raises or fails halfway), amp.deinitialize, amp.master_params and the progress
+messages. amp.state_dict / load_state_dict: tests/scaling/test_checkpoint.py."""
 
 import copy
 import io
@@ -350,93 +350,6 @@ def test_deepcopy_and_pickle_of_initialized_objects():
     optimizer_copy = pickle.loads(pickle.dumps(optimizer))
     assert "_amp_record" not in vars(optimizer_copy)
     amp.deinitialize()
-
-
-# -- amp.state_dict / amp.load_state_dict ---------------------------------------------------------
-
-
-def test_state_dict_format_and_weights_only_load(tmp_path):
-    model, optimizer = make_pair()
-    amp.initialize(model, optimizer, num_losses=2, verbosity=0)
-    state = amp.state_dict()
-    assert list(state) == ["loss_scaler0", "loss_scaler1"]
-    assert state["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 0, "dynamic": True}
-    path = tmp_path / "amp.pt"
-    torch.save(state, path)
-    assert torch.load(path, weights_only=True) == state
-    amp.deinitialize()
-
-
-def test_load_state_dict_round_trip_and_apex_dicts():
-    model, optimizer = make_pair()
-    amp.initialize(model, optimizer, num_losses=2, verbosity=0)
-    apex_saved = {
-        "loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17},
-        "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3},
-    }
-    amp.load_state_dict(apex_saved)  # apex's entries carry no kind: accepted
-    assert amp.state_dict() == {key: dict(entry, dynamic=True) for key, entry in apex_saved.items()}
-    amp.deinitialize()
-
-
-@pytest.mark.parametrize(
-    "bad,error,match",
-    [
-        (
-            {"scaler": {"loss_scale": 1.0, "unskipped": 0}},
-            RuntimeError,
-            'Unexpected key\\(s\\) in state_dict: "scaler"',
-        ),
-        ({"loss_scaler0": {"loss_scale": -1.0, "unskipped": 0}}, ValueError, "finite positive"),
-        (
-            {"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}},
-            ValueError,
-            "finite positive",
-        ),
-        ({"loss_scaler0": {"loss_scale": 2.0}}, ValueError, "lacks"),
-        ({"loss_scaler0": {"loss_scale": 2.0, "unskipped": -3}}, ValueError, "non-negative"),
-        ({"loss_scaler0": 4.0}, TypeError, "must be a dict"),
-        ([1, 2], TypeError, "expects the dict"),
-    ],
-)
-def test_malformed_state_dict_raises_and_loads_nothing(bad, error, match):
-    model, optimizer = make_pair()
-    amp.initialize(model, optimizer, num_losses=1, verbosity=0)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 5}})
-    good_and_bad = dict(bad) if isinstance(bad, dict) else bad
-    with pytest.raises(error, match=match):
-        amp.load_state_dict(good_and_bad)
-    assert amp.state_dict()["loss_scaler0"] == {
-        "loss_scale": 512.0,
-        "unskipped": 5,
-        "dynamic": True,
-    }
-    amp.deinitialize()
-
-
-def test_state_dict_with_more_entries_warns_and_skips():
-    model, optimizer = make_pair()
-    amp.initialize(model, optimizer, num_losses=1, verbosity=0)
-    with pytest.warns(UserWarning) as warned:
-        amp.load_state_dict(
-            {
-                "loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
-                "loss_scaler1": {"loss_scale": 4.0, "unskipped": 0},
-            }
-        )
-    assert [str(w.message) for w in warned] == [
-        "state_dict contains 2 entries, while 1 loss_scalers are used",
-        "Skipping loss_scaler[1], since num_losses was set to 1",
-    ]
-    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0
-    amp.deinitialize()
-
-
-def test_state_dict_needs_initialize():
-    with pytest.raises(RuntimeError, match="amp.initialize"):
-        amp.state_dict()
-    with pytest.raises(RuntimeError, match="amp.initialize"):
-        amp.load_state_dict({})
 
 
 # -- master_params, logging ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import amp
+from amp.weights.table import ParamTable, find
 from helpers.models import make_stack
 from helpers.o2 import (
     one_step,
@@ -186,3 +187,54 @@ def test_a_conflict_with_batched_marks_is_won_by_the_fp32_side():
         group["lr"] = 0.0
     train_step(model, optimizer, seed=4)
     assert torch.equal(optimizer_params(optimizer)[0], torch.full((4, 4), 0.25))
+
+
+# -- the table's own facts -------------------------------------------------------------------
+
+
+def _rows():
+    """A table with two master rows (a, b) beside a plain FP32 parameter, and its groups."""
+    table = ParamTable()
+    a, b = (torch.nn.Parameter(torch.randn(3).bfloat16()) for _ in range(2))
+    masters = [torch.nn.Parameter(p.detach().float()) for p in (a, b)]
+    for model_param, master in zip((a, b), masters):
+        table.add_master(model_param, master)
+    plain = torch.nn.Parameter(torch.randn(2))
+    return table, (a, b), masters, plain, [{"params": [masters[0], plain]}, {"params": [masters[1]]}]
+
+
+def test_the_table_knows_which_parameters_are_masters_and_of_what():
+    table, (a, b), (ma, mb), plain, groups = _rows()
+    assert table.models_of([mb, plain, ma]) == [b, None, a]
+    assert table.plain_params(groups) == [plain]
+    assert table.grad_holders(groups) == [plain, a, b]
+    assert find(b, [ParamTable(frozen=True), table]) == (table, 1)
+    assert find(plain, [table]) == (None, None)
+    assert table.pop_master(a) is ma
+    assert table.models_of([ma, mb]) == [None, b] and find(b, [table]) == (table, 0)
+
+
+def test_the_table_names_a_parameter_by_its_place_in_the_model_or_in_the_groups():
+    table, (a, b), (ma, mb), plain, groups = _rows()
+    module = torch.nn.Module()
+    module.register_parameter("weight", a)
+    table.anchor([a, plain, b], {id(a): (module._parameters, "weight", "layer.weight", a, module)})
+    assert table.name_of(ma, groups) == "layer.weight"  # a master: its model parameter's name
+    assert table.name_of(mb, groups) == "param_groups[1]['params'][0]"
+    assert table.name_of(plain, groups) == "param_groups[0]['params'][1]"
+    assert table.in_place()
+    module.weight = torch.nn.Parameter(torch.zeros(3))  # replaced: no longer where it was
+    assert not table.in_place()
+
+
+def test_writing_the_models_rounds_the_masters_marks_and_drops_their_gradients():
+    table, (a, b), masters, _, _ = _rows()
+    table.mark()
+    with torch.no_grad():
+        for master in masters:
+            master.add_(1 / 3)
+            master.grad = torch.ones_like(master)
+    assert not table.unchanged()  # the masters were written
+    table.write_models()
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip((a, b), masters))
+    assert table.unchanged() and all(m.grad is None for m in masters)

@@ -1,4 +1,5 @@
-"""AmpPrecision with lightning.fabric.Fabric through amp.lightning.setup: amp by hand, bit for bit."""
+"""amp.lightning.setup for Fabric (amp/lightning/fabric.py) with AmpPrecision: amp by hand, bit
+for bit."""
 
 import os
 import sys

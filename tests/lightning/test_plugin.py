@@ -1,4 +1,5 @@
-"""AmpPrecision in lightning.pytorch.Trainer: the same training as amp by hand, bit for bit."""
+"""The Lightning 2 precision plugin (amp/lightning/plugin.py), AmpPrecision in
+lightning.pytorch.Trainer: the same training as amp by hand, bit for bit."""
 
 import os
 import sys
