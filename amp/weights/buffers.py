@@ -34,7 +34,8 @@ class BufferTable(Rows):
         self.rows = {}  # module -> {name: row}
 
     def add(self, module, name, fp32, exact=False):
-        """A row for the tensor `module` holds under `name`, whose FP32 value is `fp32`."""
+        """A row for the tensor `module` holds under `name`, whose FP32 value is `fp32` (`exact`:
+        the low precision holds it bit for bit)."""
         row = len(self.models)
         self.rows.setdefault(module, {})[name] = row
         self.places.append((module, name))
@@ -131,10 +132,10 @@ def _references(column, row):
 _ALONE = _references([torch.zeros(1)], 0)
 
 
-def held_exactly(fp32, dtype):
-    """Whether `dtype` holds every value of the FP32 tensor `fp32` bit for bit (False for a
-    tensor without values to compare: meta, fake, or a subclass)."""
+def held_exactly(fp32, low):
+    """Whether `low`, the FP32 tensor `fp32` cast to low precision, holds every value of it bit
+    for bit (False for a tensor without values to compare: meta, fake, or a subclass)."""
     if type(fp32) is not torch.Tensor or fp32.device.type == "meta":
         return False
     bits = torch.int32
-    return torch.equal(fp32.to(dtype).float().view(bits), fp32.detach().view(bits))
+    return torch.equal(low.float().view(bits), fp32.detach().view(bits))

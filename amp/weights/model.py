@@ -116,11 +116,12 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             if find(param, amp_state.tables)[0] is None:
                 frozen = frozen or frozen_table()
                 frozen.add_master(param, new_master(param))
-    buffers = BufferTable()
+    buffers, lows = BufferTable(), []
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
-                buffers.add(module, name, buffer, exact=held_exactly(buffer, dtype))
+                lows.append(buffer.to(dtype))  # cast once: for the exact check and the model
+                buffers.add(module, name, buffer, exact=held_exactly(buffer, lows[-1]))
     copies = ModelCopies(amp_state.tables, buffers)
 
     def undo():
@@ -144,8 +145,8 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             param.data = param.data.to(dtype)
             if param.grad is not None:
                 param.grad = param.grad.to(dtype)
-        for (module, name), fp32 in zip(buffers.places, buffers.masters):
-            module._buffers[name] = fp32.to(dtype)
+        for (module, name), low in zip(buffers.places, lows):
+            module._buffers[name] = low
     for param in params:
         table, row = find(param, copies.tables)
         if table is not None:

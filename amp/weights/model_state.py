@@ -169,7 +169,7 @@ def _held_exactly(value, low):
         and low is not None
         and value.shape == low.shape
         and value.dtype is torch.float32
-        and held_exactly(value, low.dtype)
+        and held_exactly(value, value.to(low.dtype))
     )
 
 
