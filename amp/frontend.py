@@ -18,6 +18,7 @@ from .scaling.checkpoint import load_state_dict, state_dict
 from .scaling.scaler import LossScaler
 from .weights import engines
 from .weights import model as model_module
+from .weights import instrument as instrument_module
 from .weights import optimizer as optimizer_module
 from .diagnostics import overflow
 from .weights.masters import match_state_to_params
@@ -77,7 +78,7 @@ def _check_models_and_optimizers(models, optimizers, properties):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
     owner = {}
     for index, optimizer in enumerate(optimizers):
-        optimizer_module.check_optimizer(optimizer, index)
+        instrument_module.check_optimizer(optimizer, index)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if owner.setdefault(id(param), index) != index:
@@ -290,7 +291,7 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
             )
     with_masters = amp_state.cast_params if properties.master_weights else set()
     amp_state.optimizers = [
-        optimizer_module.instrument(optimizer, with_masters, ledger) for optimizer in optimizers
+        instrument_module.instrument(optimizer, with_masters, ledger) for optimizer in optimizers
     ]
     if with_masters:
         engines.follow_ddp_broadcast(ledger)

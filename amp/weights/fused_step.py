@@ -24,6 +24,7 @@ update, so they take the fused step too. `AMP_FUSED_STEP=0` in the environment a
 
 import itertools
 import operator
+import os
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -31,7 +32,9 @@ from torch.optim import optimizer as torch_optimizer
 from .. import kernels
 from .columns import GRAD, IS_SPARSE, NONES
 
-__all__ = ["FusedStep"]
+__all__ = ["FUSED_STEP_ENV", "FusedStep"]
+
+FUSED_STEP_ENV = "AMP_FUSED_STEP"  # "0" at amp.initialize: every O2 step is the optimizer's own
 
 _EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
 _BUFFER = operator.itemgetter("momentum_buffer")
@@ -99,6 +102,15 @@ class FusedStep:
         # The last plan found no state to step (the optimizer's own step makes it): the next
         # step may well be fused.
         self.stateless = False
+
+    @classmethod
+    def made_for(cls, optimizer, step):
+        """The fused master step for an optimizer with masters whose step is `step`, or None
+        (not torch's AdamW, Adam or SGD step, or AMP_FUSED_STEP=0)."""
+        if os.environ.get(FUSED_STEP_ENV, "1") == "0":
+            return None
+        fused = cls(optimizer, step)
+        return fused if fused.kind is not None else None
 
     def plan(self, optimizer, table, deferred):
         """The kernel calls of this step, or None where the fused step does not apply now (the

@@ -1,6 +1,6 @@
-"""The owner of an optimizer under amp: the record amp keeps per optimizer, and the methods it
-patches on the optimizer (step, zero_grad, add_param_group; the state dicts where torch's
-state-dict hooks do not run: optimizer_state.py).
+"""The owner of an optimizer under amp: the record amp keeps per optimizer, whose methods do the
+work of the optimizer's step, zero_grad, add_param_group and (where torch's state-dict hooks do
+not run: optimizer_state.py) state dicts once instrument.py has put them on the optimizer.
 
 The record is made of parts, each handed the data it needs and none holding the record:
 - the table (table.py): the parameters the optimizer steps, where they sit, and at O2 their FP32
@@ -15,52 +15,33 @@ here, once, in `step`. scale_loss opens and closes its blocks through `open_bloc
 """
 
 import functools
-import inspect
-import operator
-import os
 import types
+import operator
 
 import torch
 
-from .. import distributed, kernels
+from .. import distributed
 from .._state import amp_state
-from ..apex_interop.optimizer_wrappers import require_optimizer_like, wrapped_optimizers
+from ..apex_interop.optimizer_wrappers import wrapped_optimizers
 from . import engines, masters, optimizer_state
 from .columns import GRAD, NONES, consume, repeat
-from .deferral import Deferral
 from .fused_step import FusedStep
 from .grad_stash import GradientStash
 from .skip import Skips
-from .table import ParamTable
 
-__all__ = [
-    "FUSED_STEP_ENV",
-    "MASTER_PARAMS_KEY",
-    "check_optimizer",
-    "OptimizerRecord",
-    "takes_found_inf",
-    "instrument",
-    "holds_scaled",
-    "learn_skips",
-]
+__all__ = ["PATCHED_METHODS", "OptimizerRecord", "holds_scaled", "learn_skips", "replacement"]
 
-MASTER_PARAMS_KEY = optimizer_state.MASTER_PARAMS_KEY
-FUSED_STEP_ENV = "AMP_FUSED_STEP"  # "0" at amp.initialize: every O2 step is the optimizer's own
+# The optimizer methods amp replaces by the record's (not the state dicts where torch's hooks run)
+PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
-_PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
+
 _LEARNED, _FOUND_VALUE = operator.attrgetter("learned"), operator.attrgetter("found_value")
-
-
-def check_optimizer(optimizer, index):
-    require_optimizer_like(optimizer, f"amp.initialize: optimizers[{index}]")
-    if "_amp_record" in vars(optimizer):
-        raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
 
 
 class OptimizerRecord:
     """amp's bookkeeping for one optimizer, and the one place its steps are decided."""
 
-    def __init__(self, optimizer, originals, table, fused, deferral):
+    def __init__(self, optimizer, originals, table, fused, deferral, found_inf_on_device):
         self.optimizer = optimizer
         self.originals = originals  # the optimizer's own methods, called by the patched ones
         self.table = table
@@ -72,7 +53,7 @@ class OptimizerRecord:
         # The next exit may keep the masters' gradients for the fused step (deferral.py): the
         # last step took it, or was the optimizer's own that made the state it needs.
         self.defers = False
-        self.found_inf_on_device = takes_found_inf(optimizer)  # its step takes the flag
+        self.found_inf_on_device = found_inf_on_device  # its step takes the overflow flag
         self.inner = wrapped_optimizers(optimizer)  # the torch optimizers a wrapper holds
 
     # -- scale_loss's blocks -------------------------------------------------------------------
@@ -303,7 +284,7 @@ class OptimizerRecord:
             master.requires_grad_(param.requires_grad)
             masters.join(self.table, param, master)
         if new_pairs and self.fused is None:
-            self.fused = _fused_step(self.optimizer, self.originals["step"])
+            self.fused = FusedStep.made_for(self.optimizer, self.originals["step"])
         self.table.forget_groups()
         engines.anchor([self], amp_state.models)
 
@@ -312,15 +293,6 @@ class OptimizerRecord:
         if self.deferral is not None and self.deferral.kept is not None:
             self.deferral.materialize()  # an FP32 model parameter takes its master's gradient
         masters.give_back(self.optimizer, self.table)
-
-
-def _fused_step(optimizer, step):
-    """The fused master step for an optimizer with masters, or None (not torch's AdamW, Adam or
-    SGD step, or `AMP_FUSED_STEP=0`)."""
-    if os.environ.get(FUSED_STEP_ENV, "1") == "0":
-        return None
-    fused = FusedStep(optimizer, step)
-    return fused if fused.kind is not None else None
 
 
 def _decide(checks, on_device):
@@ -355,15 +327,6 @@ def learn_skips():
         record._poll(wait=True)
 
 
-def takes_found_inf(optimizer):
-    """Whether `optimizer.step` takes the overflow flag on the device: torch's fused optimizers
-    (`_step_supports_amp_scaling`), whose step reads `found_inf` (not the older form that takes
-    the scaler as `grad_scaler=`)."""
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    return "grad_scaler" not in inspect.signature(optimizer.step).parameters
-
-
 def _delegate(name):
     """The method amp puts on an optimizer instance: amp's record does the work, or the
     optimizer's own class once amp.deinitialize() ran (or on a copy, which has no record)."""
@@ -380,10 +343,10 @@ def _delegate(name):
     return method
 
 
-_REPLACEMENTS = {name: _delegate(name) for name in _PATCHED_METHODS}
+_REPLACEMENTS = {name: _delegate(name) for name in PATCHED_METHODS}
 
 
-def _replacement(optimizer, name, original):
+def replacement(optimizer, name, original):
     """The bound amp method for `optimizer.name`.
 
     A bound method, so that an LR scheduler made later can wrap it (it reads `step.__func__`);
@@ -400,54 +363,3 @@ def _replacement(optimizer, name, original):
 
     step._wrapped_by_lr_sched = True
     return step
-
-
-def instrument(optimizer, params_with_masters, ledger):
-    """Set `optimizer` up for amp: FP32 masters for `params_with_masters` (ids), patched methods.
-
-    Must run before the model is cast, so the masters are the exact FP32 weights.
-    """
-    # Runs last on undo, after the model has its FP32 weights back.
-    ledger.add_undo(
-        "optimizer state in the parameters' dtype",
-        lambda: masters.match_state_to_params(optimizer),
-    )
-    table = ParamTable()
-    for group in optimizer.param_groups:
-        for index, param in enumerate(group["params"]):
-            if id(param) in params_with_masters:
-                master = masters.new_master(param)
-                param.grad = None
-                group["params"][index] = master
-                if param in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(param)
-                table.add_master(param, master)
-    hooked = optimizer_state.takes_hooks(optimizer)
-    originals = {
-        name: getattr(optimizer, name)
-        for name in _PATCHED_METHODS
-        # add_param_group is optional for an optimizer wrapper (apex_interop/optimizer_wrappers.py)
-        if (name != "add_param_group" or hasattr(optimizer, name))
-        and not (hooked and name in ("state_dict", "load_state_dict"))
-    }
-    fused = deferral = None
-    if table.models:
-        fused = _fused_step(optimizer, originals["step"])
-        if fused is not None and kernels.fuses(table.masters[0].device):
-            deferral = Deferral()
-    record = OptimizerRecord(optimizer, originals, table, fused, deferral)
-    if params_with_masters:  # a group added later may bring masters too
-        ledger.add_undo("optimizer steps its model parameters again", record.give_back)
-    if table.models:
-        engines.follow_masters(optimizer, list(zip(table.models, table.masters)), ledger)
-    amp_state.tables.append(table)
-    if hooked:
-        for handle in optimizer_state.StateDictHooks(table).register(optimizer):
-            ledger.add_hook(handle, "optimizer state dict hook")
-    for name in originals:
-        ledger.patch(
-            optimizer, name, lambda original, name=name: _replacement(optimizer, name, original)
-        )
-    vars(optimizer)["_amp_record"] = record
-    ledger.add_undo("forget the optimizer", lambda: vars(optimizer).pop("_amp_record", None))
-    return record
