@@ -36,16 +36,10 @@ class BufferTable(Rows):
     def add(self, module, name, fp32, exact=False):
         """A row for the tensor `module` holds under `name`, whose FP32 value is `fp32` (`exact`:
         the low precision holds it bit for bit)."""
-        row = len(self.models)
+        row = self._append(getattr(module, self.slot)[name], fp32)
         self.rows.setdefault(module, {})[name] = row
         self.places.append((module, name))
-        self.models.append(getattr(module, self.slot)[name])
-        self.masters.append(fp32)
         self.exact.append(exact)
-        self.low_versions.append(None)
-        self.low_datas.append(None)
-        self.master_versions.append(None)
-        self.shapes.append(None)
         self.mark_row(row)
         return row
 

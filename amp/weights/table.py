@@ -60,6 +60,16 @@ class Rows:
         self.models, self.masters = [], []
         self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
 
+    def _append(self, model, master):
+        """A new row, not marked yet; returns its index."""
+        self.models.append(model)
+        self.masters.append(master)
+        self.low_versions.append(None)
+        self.low_datas.append(None)
+        self.master_versions.append(None)
+        self.shapes.append(None)
+        return len(self.models) - 1
+
     def mark(self):
         """amp (or a load) has just made every row's two sides agree."""
         models = self.models
@@ -250,14 +260,8 @@ class ParamTable(Rows):
 
     def add_master(self, model_param, master):
         """A master row: amp has just made `master` from `model_param` (they agree)."""
-        self.index[id(model_param)] = len(self.models)
-        self.master_index[id(master)] = len(self.models)
-        self.models.append(model_param)
-        self.masters.append(master)
-        self.low_versions.append(None)
-        self.low_datas.append(None)
-        self.master_versions.append(None)
-        self.shapes.append(None)
+        row = self._append(model_param, master)
+        self.index[id(model_param)] = self.master_index[id(master)] = row
 
     def pop_master(self, model_param):
         """Remove the master row of `model_param`; returns its master."""
