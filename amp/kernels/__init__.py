@@ -237,8 +237,11 @@ def adam_step_(
     where `found_inf` (a float32 flag) is set: the step is skipped on the device.
 
     Numerics: each element follows torch's formula operation by operation in float32, with the
-    fused multiply-adds torch's CPU kernels use, so the result is torch.optim.AdamW(fused=True)'s
-    on the CPU bit for bit (the torch backend is that op); torch's for-loop and foreach
+    fused multiply-adds of torch's CPU kernel's vector body, so the torch backend (that kernel)
+    and the CUDA source agree bit for bit where torch's vectors cover the tensor. torch's CPU
+    kernel rounds the elements of its scalar tail (past the last full vector of a thread's range)
+    without fused multiply-adds: there the CUDA source, which follows the body, can land an ulp
+    away (exp_avg_sq up to 3 ulps after 3 steps with FP32 gradients). torch's for-loop and foreach
     implementations round their last update differently and differ from it by a few ulps of the
     update. The bias corrections are computed in double per tensor, as torch does.
     """

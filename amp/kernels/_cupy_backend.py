@@ -189,8 +189,19 @@ def check_(tensors, found_inf):
 def _step_groups(grads, lows, *state):
     """{(gradient dtype, low dtype or None): indices} of the rows a fused kernel takes (every
     tensor contiguous, the master and its state float32, the gradient and weight types a kernel
-    is built for: cuda.STEP_TYPES), and the rows left to the torch backend."""
+    is built for: cuda.STEP_TYPES), and the rows left to the torch backend: those, and the empty
+    ones (launches leave them out, and torch counts their steps too)."""
     groups, rest = _grouped(grads, *state, *([lows] if lows is not None else []))
+    numels = list(map(_numel, grads))
+    if 0 in numels:
+        empty = {i for i, n in enumerate(numels) if n == 0}
+        rest = sorted({*rest, *empty})
+        all_rows = range(len(grads))
+        groups = {
+            key: kept
+            for key, indices in groups.items()
+            if (kept := [i for i in (all_rows if indices is None else indices) if i not in empty])
+        }
     taken = {}
     for key, indices in groups.items():
         grad_type, low_type = key[0], key[-1] if lows is not None else None

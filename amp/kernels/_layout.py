@@ -20,6 +20,7 @@ __all__ = [
     "plan",
     "simulate",
     "DTYPE_PAIRS",
+    "KERNEL_PARAMETERS",
 ]
 
 CHUNK = 65536  # elements per chunk (a multiple of the 4-element vectors, so alignment holds)
@@ -36,7 +37,24 @@ DTYPE_PAIRS = (
     (torch.float16, torch.float16),
     (torch.bfloat16, torch.bfloat16),
 )
-_OTHER_PARAMETER_BYTES = 64  # the kernels' other parameters (3 x 8 bytes), with room to spare
+# Each kernel's Meta depth and the 8-byte parameters (pointers, doubles, long longs) it takes
+# after its Meta, as multi_tensor.cu declares them (tests/kernels/test_backends.py reads the
+# source to check): a Meta<depth> gets the parameter bytes its widest kernel leaves.
+KERNEL_PARAMETERS = {
+    "amp_unscale": (1, 3),
+    "amp_scale_copy": (2, 3),
+    "amp_scale_add": (2, 3),
+    "amp_sum_squares": (1, 3),
+    "amp_check": (1, 4),
+    "amp_adam": (6, 9),
+    "amp_count_steps": (6, 1),
+    "amp_sgd": (4, 8),
+}
+
+
+def _other_parameter_bytes(depth):
+    """The bytes the kernels taking a Meta<depth> pass beside it, at most."""
+    return 8 * max(count for d, count in KERNEL_PARAMETERS.values() if d == depth)
 
 
 def meta_dtype(depth, max_tensors):
@@ -53,8 +71,9 @@ def meta_dtype(depth, max_tensors):
 
 
 def max_tensors(depth, parameter_bytes):
-    """The most tensors a Meta<depth> can hold within the kernel-parameter limit."""
-    budget = parameter_bytes - _OTHER_PARAMETER_BYTES
+    """The most tensors a Meta<depth> can hold within the kernel-parameter limit, beside the
+    other parameters of every kernel that takes it."""
+    budget = parameter_bytes - _other_parameter_bytes(depth)
     count = budget // (8 * depth + 8 + 4)
     while meta_dtype(depth, count).itemsize > budget:
         count -= 1

@@ -243,6 +243,19 @@ def test_float32_gradients_without_a_scale_and_without_low_weights(kernel, one_t
 
 
 @emulated
+@pytest.mark.parametrize("found", [0.0, 1.0], ids=["stepped", "skipped"])
+def test_an_empty_parameters_step_is_counted_as_torch_counts_it(kernel, one_thread, found):
+    """torch's fused AdamW counts the step of a 0-element parameter too (its state dict says so);
+    the launches leave empty tensors out, so those go to the torch backend."""
+    state = adam_state([64, 0, 5], torch.bfloat16)
+    ours, theirs = (run_adam(m, state, True, found=found) for m in (kernel, _torch_backend))
+    assert [s.item() for s in ours["steps"]] == [s.item() for s in theirs["steps"]]
+    assert ours["steps"][1].item() == state["steps"][1].item() + (1 - found)
+    full = [0, 2]  # the rows with elements, as the kernel steps them
+    assert_within_an_ulp(*({k: [v[i] for i in full] for k, v in x.items()} for x in (ours, theirs)))
+
+
+@emulated
 def test_more_tensors_than_one_launch_holds_count_each_step_once(kernel, monkeypatch, one_thread):
     monkeypatch.setenv("AMP_KERNEL_PARAM_BYTES", str(_layout.PARAM_BYTES_SMALL))
     capacity = _layout.max_tensors(6, _layout.PARAM_BYTES_SMALL)
