@@ -13,9 +13,10 @@ FP32 master gradients as the general path does and the step runs torch's fused o
 
 It applies where it computes what the optimizer's own step would (kernels.adam_step_ says to
 which precision): the exact classes, no amsgrad, maximize, capturable or differentiable, float
-hyperparameters, no step hooks, state made by an earlier step (the first step is the
-optimizer's own, which makes it), dense gradients on one device, real (not complex)
-parameters. Anything else takes the general path. `plan` says which, once per step, and `run`
+hyperparameters, state made by an earlier step (the first step is the optimizer's own, which
+makes it), dense gradients on one device, real (not complex) parameters. It runs the step's
+pre- and post-hooks around itself, as torch's step does (its hyperparameters are read before the
+pre-hooks run). Anything else takes the general path. `plan` says which, once per step, and `run`
 carries a plan out. The hyperparameters are read from `param_groups` at every step (schedulers,
 `add_param_group`); the user's `foreach` / `fused` flags choose an implementation of the same
 update, so they take the fused step too. `AMP_FUSED_STEP=0` in the environment at
@@ -118,13 +119,6 @@ class FusedStep:
         parameters); `deferred` (a deferral.Deferred or None): the masters' gradients kept in
         low precision, else their `.grad` are read. Constant Python calls per group."""
         self.stateless = False
-        if (
-            optimizer._optimizer_step_pre_hooks
-            or optimizer._optimizer_step_post_hooks
-            or torch_optimizer._global_optimizer_pre_hooks
-            or torch_optimizer._global_optimizer_post_hooks
-        ):
-            return None
         options_of = _OPTIONS[self.kind]
         state = optimizer.state
         rows_of, low = table.master_index, [*table.models, None]  # low[-1]: no master row
@@ -152,8 +146,35 @@ class FusedStep:
                 calls.append(call)
         return calls
 
-    def run(self, calls, found_inf):
-        """Carry out a plan, skipped on the device where `found_inf` is set."""
+    def run(self, optimizer, calls, found_inf):
+        """Carry out a plan as the optimizer's own step runs (torch.optim.Optimizer's
+        profile_hook_step): in its profiler range, between its step pre- and post-hooks, global
+        and its own; skipped on the device where `found_inf` is set (the hooks run: torch's fused
+        optimizers are stepped with the flag too)."""
+        with torch.autograd.profiler.record_function(
+            f"Optimizer.step#{type(optimizer).__name__}.step"
+        ):
+            args, kwargs = (optimizer,), {}
+            for hook in itertools.chain(
+                torch_optimizer._global_optimizer_pre_hooks.values(),
+                optimizer._optimizer_step_pre_hooks.values(),
+            ):
+                result = hook(optimizer, args, kwargs)
+                if result is not None and result != ((optimizer,), {}):
+                    raise RuntimeError(
+                        f"A step pre-hook of {type(optimizer).__name__} returned {result!r}: new "
+                        "arguments for step(), which amp's fused step at O2 takes none of (no "
+                        "closure). Return None from the hook, or run with AMP_FUSED_STEP=0."
+                    )
+            self._launch(calls, found_inf)
+            optimizer._optimizer_step_code()
+            for hook in itertools.chain(
+                optimizer._optimizer_step_post_hooks.values(),
+                torch_optimizer._global_optimizer_post_hooks.values(),
+            ):
+                hook(optimizer, args, kwargs)
+
+    def _launch(self, calls, found_inf):
         step = kernels.adam_step_ if self.kind == "adam" else kernels.sgd_step_
         # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()

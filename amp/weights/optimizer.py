@@ -55,6 +55,10 @@ class OptimizerRecord:
         self.defers = False
         self.found_inf_on_device = found_inf_on_device  # its step takes the overflow flag
         self.inner = wrapped_optimizers(optimizer)  # the torch optimizers a wrapper holds
+        # zero_grad(set_to_none=False) was called: a step keeps the master gradients (zeroed by
+        # the next zero_grad), as torch keeps `.grad`, so that a parameter unused in a step is
+        # still stepped with its zero gradient (momentum, moments, weight decay)
+        self.keeps_grads = False
 
     # -- scale_loss's blocks -------------------------------------------------------------------
 
@@ -142,10 +146,10 @@ class OptimizerRecord:
                 return None
         self.defers = plan is not None or (self.fused is not None and self.fused.stateless)
         if plan is not None:
-            self.fused.run(plan, found)
+            self.fused.run(optimizer, plan, found)
             if kept is not None:
                 deferral.take()
-            table.models_written()
+            table.models_written(not self.keeps_grads)
             self._note_stepped()
             self._stepped(checks, known)
             return None
@@ -165,7 +169,7 @@ class OptimizerRecord:
             if found is not None:
                 del optimizer.found_inf
         if table.models:
-            table.write_models()
+            table.write_models(not self.keeps_grads)
         self._stepped(checks, known)
         return result
 
@@ -178,7 +182,12 @@ class OptimizerRecord:
             deferred = tuple(map(name_of, kept.nonfinite_models()))
             self.deferral.take()  # before the masters' `.grad` are read (and made)
         names = distributed.nonfinite_names(table.plain_params(groups) + table.masters, name_of)
-        consume(map(setattr, table.masters, repeat("grad"), NONES))
+        if self.keeps_grads:  # as a zero_grad(set_to_none=False) would leave them
+            for master in table.masters:
+                if master.grad is not None:
+                    master.grad.zero_()
+        else:
+            consume(map(setattr, table.masters, repeat("grad"), NONES))
         self._note_stepped()
         self.skips.skipped(checks, names + deferred)
 
@@ -235,6 +244,8 @@ class OptimizerRecord:
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
             self._poll()
         to_none = not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True)
+        if not to_none:
+            self.keeps_grads = True
         deferral = self.deferral
         if deferral is not None and deferral.kept is not None:
             if to_none:  # before torch's zero_grad reads (and would make) them
@@ -274,10 +285,11 @@ class OptimizerRecord:
         if amp_state.properties.master_weights:
             for i, param in enumerate(params or ()):
                 if id(param) in amp_state.cast_params:
-                    master = masters.master_for(param)  # None: an optimizer steps it already
-                    if master is not None:
-                        new_pairs.append((param, master))
-                        params[i] = master
+                    master = masters.master_for(param)
+                    if master is None:  # an optimizer steps it already, through its master
+                        raise ValueError(self._stepped_already(param))
+                    new_pairs.append((param, master))
+                    params[i] = master
         group = dict(param_group, params=params)
         self.originals["add_param_group"](group)
         for param, master in new_pairs:
@@ -287,6 +299,16 @@ class OptimizerRecord:
             self.fused = FusedStep.made_for(self.optimizer, self.originals["step"])
         self.table.forget_groups()
         engines.anchor([self], amp_state.models)
+
+    def _stepped_already(self, param):
+        """add_param_group's error for a cast parameter an optimizer steps (as its master)."""
+        if id(param) in self.table.index:  # torch's words: it would see the master only
+            return "some parameters appear in more than one parameter group"
+        return (
+            "optimizer.add_param_group: the parameter is stepped by another optimizer passed to "
+            "amp.initialize (as its FP32 master at O2); amp unscales and steps each parameter "
+            "through one optimizer. Add it to that optimizer, or leave it out here."
+        )
 
     def give_back(self):
         """Undo of master creation: the optimizer steps the model's own parameters again."""

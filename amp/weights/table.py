@@ -287,10 +287,10 @@ class ParamTable(Rows):
         self.index = {id(param): row for row, param in enumerate(self.models)}
         self.master_index = {id(master): row for row, master in enumerate(self.masters)}
 
-    def write_models(self):
+    def write_models(self, drop_grads=True):
         """After the optimizer stepped the masters: the model takes their values (rounded to
         nearest even), amp marks that write as its own, and the master gradients go (no
-        model.zero_grad() reaches them; apex did the same)."""
+        model.zero_grad() reaches them; apex did the same) unless not `drop_grads`."""
         # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -298,13 +298,14 @@ class ParamTable(Rows):
             kernels.copy_(self.masters, self.models, check=False)
         finally:
             torch._C._set_grad_enabled(grad_enabled)
-        self.models_written()
+        self.models_written(drop_grads)
 
-    def models_written(self):
+    def models_written(self, drop_grads=True):
         """A step wrote the masters into the model (the fused step does it in its pass): amp
-        marks that write as its own, and the master gradients go."""
+        marks that write as its own, and the master gradients go unless not `drop_grads`."""
         self.mark()
-        consume(map(setattr, self.masters, repeat("grad"), NONES))
+        if drop_grads:
+            consume(map(setattr, self.masters, repeat("grad"), NONES))
 
     def __getstate__(self):
         state = super().__getstate__()
