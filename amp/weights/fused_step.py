@@ -148,9 +148,15 @@ class FusedStep:
 
     def run(self, optimizer, calls, found_inf):
         """Carry out a plan as the optimizer's own step runs (torch.optim.Optimizer's
-        profile_hook_step): in its profiler range, between its step pre- and post-hooks, global
-        and its own; skipped on the device where `found_inf` is set (the hooks run: torch's fused
-        optimizers are stepped with the flag too)."""
+        profile_hook_step): between its step pre- and post-hooks, global and its own, in its
+        profiler range while a profiler records; skipped on the device where `found_inf` is set
+        (the hooks run: torch's fused optimizers are stepped with the flag too)."""
+        pre = torch_optimizer._global_optimizer_pre_hooks or optimizer._optimizer_step_pre_hooks
+        post = torch_optimizer._global_optimizer_post_hooks or optimizer._optimizer_step_post_hooks
+        if not (pre or post or torch.autograd._profiler_enabled()):
+            self._launch(calls, found_inf)  # the usual step: nothing to call around it
+            optimizer._optimizer_step_code()
+            return
         with torch.autograd.profiler.record_function(
             f"Optimizer.step#{type(optimizer).__name__}.step"
         ):

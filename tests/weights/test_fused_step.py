@@ -595,3 +595,14 @@ def test_a_pre_hook_that_passes_arguments_to_the_fused_step_is_refused():
         scaled.backward()
     with pytest.raises(RuntimeError, match="takes none of"):
         optimizer.step()
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_a_profiler_sees_the_fused_step_under_torchs_name(fused_calls):
+    model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), steps=2)
+    with amp.scale_loss(loss_of(model, 5), optimizer) as scaled:
+        scaled.backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        optimizer.step()
+    assert len(fused_calls) == 2  # the second training step and this one
+    assert "Optimizer.step#AdamW.step" in {event.name for event in profile.events()}
