@@ -3,9 +3,11 @@
 `unscale_`, `unscale_to_`, `unscale_add_`, `copy_`, `l2_norm` and `check_` run as CuPy RawKernels
 on CUDA tensors when CuPy can be used, and on torch operations otherwise (CPU, no CuPy, or
 `AMP_DISABLE_KERNELS=1`), with the same results. So do the fused master steps `adam_step_` and
-`sgd_step_`, within the bounds their docstrings state. Overflow flags stay on the device: nothing
-here waits for the GPU. Importing this package imports neither CuPy nor touches CUDA; the CuPy backend
-is probed on the first call with CUDA tensors.
+`sgd_step_`, within the bounds their docstrings state, and their forms over compact state
+(`compact_adam_step_`, `compact_sgd_step_`: bf16 weights with int8 corrections for masters, 8-bit
+or bf16 moments; the encodings `compact_encode` and `moment_encode`). Overflow flags stay on the
+device: nothing here waits for the GPU. Importing this package imports neither CuPy nor touches
+CUDA; the CuPy backend is probed on the first call with CUDA tensors.
 """
 
 import os
@@ -13,7 +15,7 @@ import os
 import torch
 
 from .._state import amp_state
-from . import _torch_backend
+from . import _codecs, _torch_backend
 
 DISABLE_ENV = "AMP_DISABLE_KERNELS"
 
@@ -26,6 +28,12 @@ __all__ = [
     "check_",
     "adam_step_",
     "sgd_step_",
+    "compact_adam_step_",
+    "compact_sgd_step_",
+    "compact_encode",
+    "compact_decode",
+    "moment_encode",
+    "moment_decode",
     "fuses",
     "cuda_backend",
     "BackendChoice",
@@ -290,6 +298,103 @@ def sgd_step_(
         )
         module = _backend(masters[0].device)
         module.sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options)
+
+
+def compact_adam_step_(
+    grads,
+    lows,
+    exp_avgs,
+    exp_avg_sqs,
+    steps,
+    *,
+    masters=None,
+    corrections=None,
+    scales=None,
+    inv_scale=None,
+    found_inf=None,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled,
+):
+    """adam_step_ over compact state, on parallel lists of one device. The masters are either
+    FP32 `masters` (with `lows` their low-precision copies, a None for a row without) or compact
+    (`masters` None: `lows` the bf16 weights and `corrections` their int8 corrections,
+    compact_encode's). The moments are FP32, bf16, or 8-bit codes (int8 first, uint8 second)
+    with `scales` the two lists of their block scales (moment_encode's). The step counts go up
+    by one unless `found_inf` is set; a skipped step changes no bit.
+
+    Numerics: the FP32 update is adam_step_'s (torch's fused op on the decoded values); the
+    encodings are `moment_encode`'s and `compact_encode`'s, bit for bit on both backends.
+    """
+    if grads:
+        options = dict(
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled
+        )
+        _backend(grads[0].device).compact_adam_step_(
+            grads, masters, exp_avgs, exp_avg_sqs, steps, lows, corrections, scales, inv_scale,
+            found_inf, options,
+        )
+
+
+def compact_sgd_step_(
+    grads,
+    lows,
+    buffers,
+    *,
+    masters=None,
+    corrections=None,
+    scales=None,
+    first_step=False,
+    inv_scale=None,
+    found_inf=None,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+):
+    """sgd_step_ over compact state, as compact_adam_step_: `buffers` the momentum buffers (FP32,
+    bf16, or int8 codes with `scales` their block scales; unused without momentum);
+    `first_step`: they start as the gradients, as torch's first step makes them."""
+    if grads:
+        options = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            first_step=first_step,
+        )
+        _backend(grads[0].device).compact_sgd_step_(
+            grads, masters, buffers, lows, corrections, scales, inv_scale, found_inf, options
+        )
+
+
+def compact_encode(fp32):
+    """(bf16 weights, int8 corrections) of FP32 values: their 24-bit rounding, split (exact to
+    within 1/512 of the bf16 weight's ulp); compact_decode gives it back exactly."""
+    return _codecs.compact_encode(fp32)
+
+
+def compact_decode(bf16, corrections):
+    """The FP32 values that compact_encode's bf16 weights and int8 corrections hold."""
+    return _codecs.compact_decode(bf16, corrections)
+
+
+def moment_encode(values, signed):
+    """An optimizer moment in 8 bits: (codes in its shape, fp32 scales per block of
+    _codecs.BLOCK elements). `signed`: int8 softsign codes (Adam's first moment, SGD's momentum);
+    else uint8 codes of the square roots of non-negative values (Adam's second moment)."""
+    return (_codecs.signed_encode if signed else _codecs.unsigned_encode)(values)
+
+
+def moment_decode(codes, scales):
+    """The FP32 values of moment_encode's codes (their dtype says which encoding) and scales."""
+    signed = codes.dtype is torch.int8
+    return (_codecs.signed_decode if signed else _codecs.unsigned_decode)(codes, scales)
 
 
 def fuses(device):

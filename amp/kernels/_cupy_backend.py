@@ -24,6 +24,8 @@ __all__ = [
     "check_",
     "adam_step_",
     "sgd_step_",
+    "compact_adam_step_",
+    "compact_sgd_step_",
 ]
 
 check = cuda.check  # compiles for the current GPU (the probe of amp.kernels.cuda_backend)
@@ -325,3 +327,13 @@ def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
             found_inf,
             options,
         )
+
+
+def compact_adam_step_(*args):
+    """Compact state is stepped by the torch backend's pieces (no kernel for it yet)."""
+    _torch_backend.compact_adam_step_(*args)
+
+
+def compact_sgd_step_(*args):
+    """As compact_adam_step_."""
+    _torch_backend.compact_sgd_step_(*args)

@@ -12,6 +12,9 @@ import operator
 
 import torch
 
+from ._torch_compact import adam_step_ as compact_adam_step_
+from ._torch_compact import sgd_step_ as compact_sgd_step_
+
 __all__ = [
     "unscale_",
     "unscale_to_",
@@ -22,6 +25,8 @@ __all__ = [
     "check_",
     "adam_step_",
     "sgd_step_",
+    "compact_adam_step_",
+    "compact_sgd_step_",
 ]
 
 _unscale_op = torch._amp_foreach_non_finite_check_and_unscale_

@@ -1,0 +1,117 @@
+"""The compact forms of O2's state, on torch operations: the torch backend's, and the reference the
+CUDA source (multi_tensor.cu) follows operation by operation, so the two agree bit for bit.
+
+- A compact master: the FP32 value rounded to 24 bits (sign, 8 exponent and 15 mantissa bits),
+  held as its bf16 weight (the top 16 bits, rounded half up) and an int8 correction (the next 8,
+  signed). Decoding is integer arithmetic on the bits, exact; encoding what was decoded gives the
+  same two back. The error is at most half a 24-bit ulp: 1/512 of the bf16 weight's ulp.
+- An 8-bit moment: block-scaled over runs of BLOCK elements of the flattened tensor (one fp32
+  scale each, the block's largest magnitude). A signed moment (Adam's first, SGD's momentum) is
+  companded by softsign, 2y / (1 + |y|), onto -127..127; an unsigned one (Adam's second) is
+  stored as its square root, linear onto 0..255, and a positive value never takes code 0 (its
+  denominator would be eps alone). FlashOptim's companders (arXiv 2602.23349).
+- A bf16 moment: round to nearest even.
+
+Every float operation here rounds once (no fused multiply-add): the CUDA source uses the `_rn`
+intrinsics in the same order.
+"""
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "compact_encode",
+    "compact_decode",
+    "signed_encode",
+    "signed_decode",
+    "unsigned_encode",
+    "unsigned_decode",
+    "blocks",
+]
+
+BLOCK = 32  # elements per scale of an 8-bit moment (a warp on the GPU)
+
+_SIGN = -(2**31)
+
+
+def compact_encode(fp32):
+    """(bf16 weight, int8 correction) of FP32 values: the 24-bit rounding of each (to nearest
+    even at bit 8), split at bit 16 with the bf16 part rounded half up, so that the correction
+    fits -128..127. inf stays inf (correction 0), a value rounding past the largest bf16 becomes
+    inf, NaN becomes bf16's quiet NaN (correction 0)."""
+    bits = fp32.contiguous().view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    nan = magnitude > 0x7F800000
+    magnitude = magnitude.masked_fill(nan, 0)
+    rounded = (magnitude + 0x7F + ((magnitude >> 8) & 1)) & ~0xFF  # 24 bits, nearest even
+    high = (rounded + 0x8000) >> 16  # bf16 magnitude bits, half up
+    correction = (rounded >> 8) - (high << 8)
+    overflow = high >= 0x7F80
+    high = high.masked_fill(overflow, 0x7F80).masked_fill(nan, 0x7FC0)
+    correction = correction.masked_fill(overflow | nan, 0)
+    high = high | ((bits < 0).to(torch.int32) << 15)
+    high = torch.where(high >= 0x8000, high - 0x10000, high)  # as int16 two's complement
+    return high.to(torch.int16).view(torch.bfloat16), correction.to(torch.int8)
+
+
+def compact_decode(bf16, correction):
+    """The FP32 values a (bf16 weight, int8 correction) pair holds (exact)."""
+    high = bf16.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    magnitude_high = high & 0x7FFF
+    magnitude = (magnitude_high << 16) + correction.to(torch.int32) * 256
+    magnitude = torch.where(magnitude_high >= 0x7F80, magnitude_high << 16, magnitude)
+    sign = (high >= 0x8000).to(torch.int32) * _SIGN
+    return (magnitude | sign).view(torch.float32)
+
+
+def blocks(values):
+    """`values` flattened into rows of BLOCK (the last one padded with zeros)."""
+    flat = values.reshape(-1)
+    pad = -flat.numel() % BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, BLOCK)
+
+
+def _scales(rows):
+    """Each block's largest magnitude, and the divisor for the block (1 where it is 0)."""
+    scales = rows.abs().amax(dim=1, keepdim=True)
+    return scales, torch.where(scales > 0, scales, torch.ones_like(scales))
+
+
+def signed_encode(values):
+    """(int8 codes in the shape of `values`, fp32 scales per block): softsign-companded."""
+    rows = blocks(values.float())
+    scales, divisor = _scales(rows)
+    y = rows / divisor
+    z = (y * 2.0) / (y.abs() + 1.0)
+    codes = torch.round(z * 127.0)
+    return _unblock(codes.to(torch.int8), values), scales.view(-1)
+
+
+def signed_decode(codes, scales):
+    """The FP32 values of signed_encode's codes and scales, in the codes' shape."""
+    z = blocks(codes.float()) / 127.0
+    y = z / (2.0 - z.abs())
+    return _unblock(y * scales.view(-1, 1), codes)
+
+
+def unsigned_encode(values):
+    """(uint8 codes, fp32 scales per block) of non-negative values: their square roots, linear
+    onto 0..255, a positive value at least code 1."""
+    roots = blocks(values.float()).sqrt()
+    scales, divisor = _scales(roots)
+    y = roots / divisor
+    codes = torch.round(y * 255.0)
+    codes = torch.where((roots > 0) & (codes == 0), 1.0, codes)
+    return _unblock(codes.to(torch.uint8), values), scales.view(-1)
+
+
+def unsigned_decode(codes, scales):
+    """The FP32 values of unsigned_encode's codes and scales, in the codes' shape."""
+    roots = (blocks(codes.float()) / 255.0) * scales.view(-1, 1)
+    return _unblock(roots * roots, codes)
+
+
+def _unblock(rows, like):
+    return rows.reshape(-1)[: like.numel()].view(like.shape)

@@ -1,0 +1,242 @@
+"""Compact state (amp/kernels/_codecs.py, _torch_compact.py): a master as its bf16 weight and an
+int8 correction, moments in 8 bits or bf16, and the fused steps over them: the FP32 update of the
+decoded values, in pieces that change nothing, a skipped step that changes no bit."""
+
+import pytest
+import torch
+
+from amp import kernels
+from amp.kernels import _codecs, _torch_compact
+from helpers.floats import bits
+
+ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, decoupled=True)
+SGD = dict(lr=0.1, momentum=0.9, dampening=0.25, weight_decay=0.01, nesterov=False)
+
+
+def special_values():
+    values = [0.0, -0.0, float("inf"), -float("inf"), 3.4e38, -3.3895e38, 1e-40, -1e-45, 2**-133]
+    values += [1.0, 1.0 - 2**-24, -1.0 + 2**-24, 2.0 - 2**-10, 1.0 + 2**-8 + 2**-16, 65504.0]
+    values += [torch.finfo(torch.float32).max, 2**-126, -(2**-126) * 1.5]
+    return torch.tensor(values)
+
+
+def test_a_compact_master_is_the_24_bit_rounding_of_the_fp32_value():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, generator=generator) * torch.exp(
+        4 * torch.randn(200_000, generator=generator)
+    )
+    x = torch.cat([x, special_values()])
+    # every bit pattern of a few binades' mantissas around bf16's rounding points
+    mantissas = torch.arange(0, 1 << 16, dtype=torch.int32) * 128 + 127
+    for exponent in (1, 126, 127, 253):
+        x = torch.cat([x, ((exponent << 23) | mantissas).view(torch.float32)])
+    low, correction = kernels.compact_encode(x)
+    y = kernels.compact_decode(low, correction)
+    xb, yb = bits(x), bits(y)
+    finite = torch.isfinite(x) & torch.isfinite(low)
+    assert ((yb[finite] & 0xFF) == 0).all()  # 24 bits
+    assert ((xb[finite] < 0) == (yb[finite] < 0)).all()
+    distance = ((xb & 0x7FFFFFFF) - (yb & 0x7FFFFFFF))[finite].abs()
+    assert (distance <= 128).all()  # half a 24-bit ulp, nearest (even on a tie)
+    again = kernels.compact_encode(y)  # decoding and encoding again gives the same two
+    assert torch.equal(bits(again[0]), bits(low)) and torch.equal(again[1], correction)
+    # The weight is the nearest bf16 but within 1/512 of a bf16 ulp of a midpoint (rounded up).
+    nearest = x.to(torch.bfloat16)
+    differs = (bits(nearest) != bits(low)) & finite
+    steps_apart = (bits(nearest).int() - bits(low).int()).abs()
+    assert (steps_apart[differs] == 1).all() and differs.float().mean() < 0.01
+
+
+def test_special_values_keep_their_meaning():
+    low, correction = kernels.compact_encode(
+        torch.tensor([-0.0, float("inf"), float("nan"), 3.4e38])
+    )
+    back = kernels.compact_decode(low, correction)
+    assert str(back[0].item()) == "-0.0" and back[1].item() == float("inf")
+    assert torch.isnan(back[2]) and correction[2].item() == 0 and torch.isinf(back[3])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_an_8_bit_moment_is_block_scaled(signed):
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(1000, generator=generator) * torch.exp(
+        2 * torch.randn(1000, generator=generator)
+    )
+    values = values if signed else values.square()
+    values[100:132] = 0.0  # an all-zero block
+    codes, scales = kernels.moment_encode(values.view(10, 100), signed)
+    assert codes.shape == (10, 100) and codes.dtype is (torch.int8 if signed else torch.uint8)
+    assert scales.shape == (-(-1000 // _codecs.BLOCK),)
+    back = kernels.moment_decode(codes, scales).view(-1)
+    assert back.shape == values.shape and (back[100:132] == 0).all()
+    blocks = _codecs.blocks(values).abs().amax(1)
+    error = (back - values).abs() / blocks.repeat_interleave(_codecs.BLOCK)[
+        : values.numel()
+    ].clamp_min(1e-30)
+    assert error.max() < (2 / 127 if signed else 2 / 255)
+    if not signed:  # a positive value never decodes to 0 (its denominator would be eps alone)
+        assert (back[values > 0] > 0).all()
+
+
+def compact_state(sizes, moments, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    fp32 = [torch.randn(n, generator=generator) * 0.1 for n in sizes]
+    lows, corrections = map(list, zip(*map(kernels.compact_encode, fp32)))
+    m = [torch.randn(n, generator=generator) * 0.01 for n in sizes]
+    v = [torch.rand(n, generator=generator) * 1e-4 for n in sizes]
+    state = dict(
+        grads=[(torch.randn(n, generator=generator) * 1000).to(torch.bfloat16) for n in sizes],
+        lows=lows,
+        corrections=corrections,
+        steps=[torch.tensor(3.0) for _ in sizes],
+    )
+    if moments == "int8":
+        (state["m"], m_scales), (state["v"], v_scales) = (
+            zip(*[kernels.moment_encode(t, signed) for t in moment])
+            for moment, signed in ((m, True), (v, False))
+        )
+        state["m"], state["v"] = list(state["m"]), list(state["v"])
+        state["scales"] = (list(m_scales), list(v_scales))
+    else:
+        dtype = torch.float32 if moments == "fp32" else torch.bfloat16
+        state["m"], state["v"], state["scales"] = (
+            [t.to(dtype) for t in m],
+            [t.to(dtype) for t in v],
+            None,
+        )
+    return state
+
+
+def copied(state):
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (list, tuple)):
+            return type(value)(map(copy, value))
+        return value
+
+    return {key: copy(value) for key, value in state.items()}
+
+
+def adam(state, found=0.0, inv=2.0**-10):
+    state = copied(state)
+    kernels.compact_adam_step_(
+        state["grads"],
+        state["lows"],
+        state["m"],
+        state["v"],
+        state["steps"],
+        corrections=state["corrections"],
+        scales=state["scales"],
+        inv_scale=torch.tensor(inv),
+        found_inf=torch.tensor(found),
+        **ADAM,
+    )
+    return state
+
+
+def reference_adam(state, inv=2.0**-10):
+    """What compact_adam_step_ computes, written plainly: decode, torch's fused op, encode."""
+    out = copied(state)
+    for i, grad in enumerate(state["grads"]):
+        master = kernels.compact_decode(state["lows"][i], state["corrections"][i])
+        if state["scales"] is None:
+            m, v = state["m"][i].float(), state["v"][i].float()
+        else:
+            m = kernels.moment_decode(state["m"][i], state["scales"][0][i])
+            v = kernels.moment_decode(state["v"][i], state["scales"][1][i])
+        step = state["steps"][i] + 1
+        torch._fused_adamw_(
+            [master],
+            [grad.float() * inv],
+            [m],
+            [v],
+            [],
+            [step],
+            **{k: ADAM[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")},
+            amsgrad=False,
+            maximize=False,
+        )
+        out["lows"][i], out["corrections"][i] = kernels.compact_encode(master)
+        out["steps"][i] = step
+        if state["scales"] is None:
+            out["m"][i], out["v"][i] = m.to(state["m"][i].dtype), v.to(state["v"][i].dtype)
+        else:
+            (out["m"][i], out["scales"][0][i]) = kernels.moment_encode(m, True)
+            (out["v"][i], out["scales"][1][i]) = kernels.moment_encode(v, False)
+    return out
+
+
+def assert_same(a, b):
+    for key in a:
+        left, right = a[key], b[key]
+        if key == "scales" and left is not None:
+            left, right = left[0] + left[1], right[0] + right[1]
+        for x, y in zip(left or (), right or (), strict=True):
+            assert torch.equal(
+                bits(x) if x.is_floating_point() else x, bits(y) if y.is_floating_point() else y
+            ), key
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
+def test_the_compact_adam_step_is_the_fp32_update_of_the_decoded_state(moments, one_thread):
+    state = compact_state([64, 4096, 100], moments)
+    assert_same(adam(state), reference_adam(state))
+
+
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+def test_pieces_change_nothing(monkeypatch, moments, one_thread):
+    state = compact_state([64, 5000], moments)
+    whole = adam(state)
+    monkeypatch.setattr(_torch_compact, "PIECE", 2 * _codecs.BLOCK)
+    assert_same(adam(state), whole)
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_a_skipped_step_changes_no_bit(moments):
+    state = compact_state([64, 300], moments)
+    assert_same(adam(state, found=1.0), state)
+
+
+def test_exact_masters_with_8_bit_moments_step_the_masters_in_place(one_thread):
+    state = compact_state([64, 100], "int8")
+    masters = [
+        kernels.compact_decode(low, c) for low, c in zip(state["lows"], state["corrections"])
+    ]
+    lows = [m.to(torch.bfloat16) for m in masters]
+    theirs = reference_adam(state)
+    kernels.compact_adam_step_(
+        state["grads"],
+        lows,
+        state["m"],
+        state["v"],
+        state["steps"],
+        masters=masters,
+        scales=state["scales"],
+        inv_scale=torch.tensor(2.0**-10),
+        found_inf=torch.tensor(0.0),
+        **ADAM,
+    )
+    for master, low, low_c in zip(masters, lows, theirs["lows"]):
+        assert torch.equal(bits(kernels.compact_encode(master)[0]), bits(low_c))
+        assert torch.equal(low, master.to(torch.bfloat16))
+
+
+def test_the_first_sgd_step_starts_the_momentum_as_the_gradient():
+    grads = [torch.randn(50).to(torch.bfloat16)]
+    lows, corrections = map(list, zip(kernels.compact_encode(torch.randn(50))))
+    buffers, scales = map(list, zip(kernels.moment_encode(torch.zeros(50), True)))
+    expected = grads[0].float() * 0.5
+    kernels.compact_sgd_step_(
+        grads,
+        lows,
+        buffers,
+        corrections=corrections,
+        scales=scales,
+        first_step=True,
+        inv_scale=torch.tensor(0.5),
+        found_inf=torch.tensor(0.0),
+        **dict(SGD, weight_decay=0.0),
+    )
+    back = kernels.moment_decode(buffers[0], scales[0])
+    assert torch.allclose(back, expected, rtol=2 / 127, atol=expected.abs().max().item() * 2 / 127)
