@@ -1,10 +1,12 @@
 """The compact forms of O2's state, on torch operations: the torch backend's, and the reference the
 CUDA source (multi_tensor.cu) follows operation by operation, so the two agree bit for bit.
 
-- A compact master: the FP32 value rounded to 24 bits (sign, 8 exponent and 15 mantissa bits),
-  held as its bf16 weight (the top 16 bits, rounded half up) and an int8 correction (the next 8,
-  signed). Decoding is integer arithmetic on the bits, exact; encoding what was decoded gives the
-  same two back. The error is at most half a 24-bit ulp: 1/512 of the bf16 weight's ulp.
+- A compact master: the bf16 weight, the FP32 value rounded to nearest even as torch's cast rounds
+  it (so every writer of the weight agrees: the model's cast, a load, the step), and an int8
+  correction: the rest of the value in 1/256 of the weight's ulp, rounded to nearest even and
+  kept within -127..127. Decoding is integer arithmetic on the bits, exact; encoding what was
+  decoded gives the same two back. The error is at most 1/512 of the weight's ulp (1/256 where
+  the rest lies within half a unit of the weight's midpoint).
 - An 8-bit moment: block-scaled over runs of BLOCK elements of the flattened tensor (one fp32
   scale each, the block's largest magnitude). A signed moment (Adam's first, SGD's momentum) is
   companded by softsign, 2y / (1 + |y|), onto -127..127; an unsigned one (Adam's second) is
@@ -35,20 +37,19 @@ _SIGN = -(2**31)
 
 
 def compact_encode(fp32):
-    """(bf16 weight, int8 correction) of FP32 values: the 24-bit rounding of each (to nearest
-    even at bit 8), split at bit 16 with the bf16 part rounded half up, so that the correction
-    fits -128..127. inf stays inf (correction 0), a value rounding past the largest bf16 becomes
-    inf, NaN becomes bf16's quiet NaN (correction 0)."""
+    """(bf16 weight, int8 correction) of FP32 values (see the module doc). inf stays inf
+    (correction 0), a value past the largest bf16 becomes inf as torch's cast makes it, NaN
+    becomes bf16's quiet NaN (correction 0)."""
     bits = fp32.contiguous().view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
     nan = magnitude > 0x7F800000
     magnitude = magnitude.masked_fill(nan, 0)
-    rounded = (magnitude + 0x7F + ((magnitude >> 8) & 1)) & ~0xFF  # 24 bits, nearest even
-    high = (rounded + 0x8000) >> 16  # bf16 magnitude bits, half up
-    correction = (rounded >> 8) - (high << 8)
-    overflow = high >= 0x7F80
-    high = high.masked_fill(overflow, 0x7F80).masked_fill(nan, 0x7FC0)
-    correction = correction.masked_fill(overflow | nan, 0)
+    high = (magnitude + 0x7FFF + ((magnitude >> 16) & 1)) >> 16  # bf16 magnitude, nearest even
+    rest = magnitude - (high << 16)  # -0x8000..0x8000
+    correction = ((rest + 0x7F + ((rest >> 8) & 1)) >> 8).clamp(-127, 127)  # nearest even
+    special = high >= 0x7F80
+    correction = correction.masked_fill(special | nan, 0)
+    high = high.masked_fill(nan, 0x7FC0)
     high = high | ((bits < 0).to(torch.int32) << 15)
     high = torch.where(high >= 0x8000, high - 0x10000, high)  # as int16 two's complement
     return high.to(torch.int16).view(torch.bfloat16), correction.to(torch.int8)
