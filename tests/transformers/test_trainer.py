@@ -38,14 +38,17 @@ def test_o2_bf16_trains_bf16_weights_through_fp32_masters_and_predicts_fp32_logi
     model = make_model()
     trainer = AmpTrainer(
         model=model,
-        args=training_args(tmp_path, num_train_epochs=3),
+        args=training_args(tmp_path, num_train_epochs=3, eval_strategy="epoch"),
         train_dataset=make_data(),
+        eval_dataset=make_data()[:4],  # random tokens: only what it trained on can improve
         callbacks=[dtypes],
         amp_options={"opt_level": "O2", "dtype": torch.bfloat16, "verbosity": 0},
     )
     try:
         trainer.train()
         logs = train_logs(trainer)
+        evaluations = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+        assert len(evaluations) == 3 and evaluations[-1] < evaluations[0]  # at O2, in training
         assert dtypes.seen == {(torch.bfloat16, torch.float32)}  # bf16 model, FP32 masters
         assert len(logs) == 12 and logs[-1]["loss"] < logs[0]["loss"] - 0.1
         assert {entry["amp/loss_scale"] for entry in logs} == {2.0**16}
@@ -67,7 +70,7 @@ def test_o1_fp16_skips_an_overflow_says_so_in_the_logs_and_holds_the_scheduler(t
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)  # passed in: amp sets it up
     trainer = AmpTrainer(
         model=model,
-        args=training_args(tmp_path, num_train_epochs=2),
+        args=training_args(tmp_path, num_train_epochs=2, max_grad_norm=0.0),
         train_dataset=make_data(),
         optimizers=(optimizer, None),
         callbacks=[InfGradient(model.transformer.wte.weight, at={2})],
@@ -80,7 +83,9 @@ def test_o1_fp16_skips_an_overflow_says_so_in_the_logs_and_holds_the_scheduler(t
         assert trainer.optimizer.optimizer is optimizer
         assert [entry["amp/skipped"] for entry in logs] == [0, 0, 1, 0, 0, 0, 0, 0]
         assert [entry["amp/loss_scale"] for entry in logs] == [2.0**16] * 2 + [2.0**15] * 6
-        assert not math.isfinite(logs[2]["grad_norm"])
+        # Not clipped (max_grad_norm=0): the logged norm is still that of what the step uses.
+        norms = [entry["grad_norm"] for entry in logs]
+        assert not math.isfinite(norms[2]) and all(0 < n < math.inf for n in norms[:2] + norms[3:])
         assert logs[2]["learning_rate"] == logs[3]["learning_rate"]  # held on the skipped step
         assert trainer.lr_scheduler.last_epoch == 7 and trainer.skipped_steps == 1
         assert (
@@ -146,3 +151,20 @@ def test_one_trainer_at_a_time_in_a_process(tmp_path):
         second.deinitialize()
     second.train()  # once the first is undone
     second.deinitialize()
+
+
+def test_model_init_gives_each_train_a_new_model_set_up_anew(tmp_path):
+    trainer = AmpTrainer(
+        model_init=lambda: make_model(),
+        args=training_args(tmp_path, max_steps=2),
+        train_dataset=make_data(),
+        amp_options={"opt_level": "O2", "verbosity": 0},
+    )
+    try:
+        first = [e["loss"] for e in (trainer.train(), train_logs(trainer))[1]]
+        model = trainer.model
+        second = [e["loss"] for e in (trainer.train(), train_logs(trainer))[1]]
+        assert trainer.model is not model and model.transformer.wte.weight.dtype is torch.float32
+        assert first == second and trainer.model.transformer.wte.weight.dtype is torch.bfloat16
+    finally:
+        trainer.deinitialize()
