@@ -35,7 +35,7 @@ test-all: $(VENV)/.installed
 
 test-quick: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/programs --ignore=tests/kernels \
-		--ignore=tests/lightning
+		--ignore=tests/lightning --ignore=tests/transformers
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py
