@@ -4,7 +4,9 @@ the watch that reports skipped steps and holds the LR scheduler after one.
 The Trainer holds its LR scheduler after a step its own GradScaler skipped (transformers 5.24
 trainer.py: ``if not self.accelerator.optimizer_step_was_skipped: self.lr_scheduler.step()``,
 Accelerate's AcceleratedOptimizer reporting the skip); `SkipWatch` reports amp's skips the same way,
-so AmpTrainer holds it too.
+so AmpTrainer holds it too, with every optimizer. (The Trainer's own path misses the skip of a fused
+AdamW, its default optimizer, which torch's GradScaler lets skip inside step(): there its scheduler
+advances. tests/transformers/test_steps.py shows both.)
 """
 
 import contextlib

@@ -138,3 +138,25 @@ def test_scaled_backward_gives_the_accelerator_its_method_back_when_backward_rai
         assert "backward" not in vars(accelerator)
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("optim,held", [("adamw_torch", True), ("adamw_torch_fused", False)])
+def test_what_the_trainers_own_grad_scaler_does_with_the_scheduler_after_a_skip(
+    tmp_path, optim, held
+):
+    """The rule AmpTrainer follows, seen on the Trainer's own path. Accelerate refuses fp16 on the
+    CPU, so its GradScaler is put in by hand (FP32 compute). The Trainer holds the scheduler after
+    a skipped step (`if not self.accelerator.optimizer_step_was_skipped`), but with a fused AdamW
+    (the default optim) torch's GradScaler lets the kernel skip inside step(), Accelerate sees the
+    step called, and the scheduler advances. AmpTrainer holds it with every optimizer."""
+    model = make_model()
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, num_train_epochs=2, optim=optim),
+        train_dataset=make_data(),
+        callbacks=[InfGradient(model.transformer.wte.weight, at={2})],
+    )
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+    trainer.train()
+    assert trainer.accelerator.scaler.get_scale() == 2.0**15  # the skip happened
+    assert trainer.lr_scheduler.last_epoch == (7 if held else 8)
