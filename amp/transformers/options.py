@@ -29,9 +29,9 @@ def initialize_kwargs(amp_options: Optional[Mapping[str, Any]]) -> Dict[str, Any
 
     ``opt_level`` defaults to ``"O2"`` and ``dtype`` to ``torch.bfloat16``; any other argument of
     ``amp.initialize`` passes through (``float8``, ``fp32_modules``, ``master_weights``,
-    ``optimizer_state``, ``loss_scale``, ``verbosity``, ...). At O1 the model's outputs are cast to
-    FP32 unless ``cast_model_outputs`` says otherwise, as the Trainer's own mixed precision returns
-    them (O2 and O3 do so already).
+    ``loss_scale``, ``verbosity``, ...: whatever its signature takes). At O1 the model's outputs
+    are cast to FP32 unless ``cast_model_outputs`` says otherwise, as the Trainer's own mixed
+    precision returns them (O2 and O3 do so already).
 
     Raises:
         TypeError: `amp_options` is not a mapping, or names something amp.initialize does not take.

@@ -30,7 +30,7 @@ class AmpTrainer(Trainer):
             forms), DeepSpeed and FSDP are refused (refusals.py says why and what to use).
         amp_options: ``amp.initialize``'s arguments (``opt_level`` "O2" and ``dtype``
             ``torch.bfloat16`` where not given; ``float8``, ``fp32_modules``,
-            ``master_weights``, ``optimizer_state``, ``loss_scale``, ``verbosity``, ...).
+            ``master_weights``, ``loss_scale``, ``verbosity``, ...).
 
     amp initializes the model and the optimizer the Trainer builds (or the one passed as
     ``optimizers=``) once, before Accelerate wraps them (DDP). Backward runs inside
