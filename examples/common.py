@@ -73,6 +73,15 @@ def report_rank(rank, out, state, scales, skipped, accuracy):
     )
 
 
+def leave_rank():
+    """End a rank's process once its results are printed and saved: output flushed, then
+    os._exit(0), skipping the C++ static destructors of a normal exit, in which torch's gloo
+    backend aborts now and then ("terminate called without an active exception"), amp or not."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def distributed_arguments(parser: argparse.ArgumentParser):
     """The options ddp.py and fsdp2.py share."""
     dtype_argument(parser)

@@ -20,6 +20,8 @@ from amp.lightning import AmpPrecision  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning_helpers import Capture, Regressor, data, loader, make_net, poison  # noqa: E402
 
+from helpers import ranks  # noqa: E402
+
 RANK = int(os.environ["RANK"])
 OVERFLOW_STEP = 1
 
@@ -106,3 +108,4 @@ def fabric_run(out):
 if __name__ == "__main__":
     trainer_run(sys.argv[1])
     fabric_run(sys.argv[1])
+    ranks.leave()  # results written: no static destructors (gloo aborts in them)
