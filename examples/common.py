@@ -55,7 +55,10 @@ def opt_level_argument(parser: argparse.ArgumentParser, default):
 
 
 def progress(iterable, **kwargs):
-    """A progress bar on stderr that leaves the results on stdout readable."""
+    """A progress bar on stderr that leaves the results on stdout readable, shown only where
+    stderr is a terminal (disable=None: tqdm decides), so that a log gets no carriage-return
+    frames."""
+    kwargs.setdefault("disable", None)
     return tqdm(iterable, leave=False, dynamic_ncols=True, **kwargs)
 
 
