@@ -179,7 +179,13 @@ class AmpPrecisionBehaviour:
         return apply_to_collection(data, torch.Tensor, _cast_floating, self._input_dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return data  # amp's forward hook already gave the outputs their dtype (FP32)
+        """Fabric's model outputs in FP32 (torch's default dtype), as from Lightning's mixed
+        plugins: at O2/O3 amp's forward hook made them so already, at O1 the last op ran in
+        `dtype`. float64 stays float64."""
+        from lightning_utilities import apply_to_collection
+
+        default = torch.get_default_dtype()
+        return apply_to_collection(data, torch.Tensor, _cast_low_precision, default)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -309,6 +315,10 @@ def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.dtype is not torch.float64:
         return tensor.to(dtype)
     return tensor
+
+
+def _cast_low_precision(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.dtype in _LOW_PRECISION else tensor
 
 
 def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:

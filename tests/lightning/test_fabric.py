@@ -36,12 +36,13 @@ def fabric_run(opt_level, dtype, steps=range(BATCHES), overflow_at=(), resume=No
     try:
         if resume is not None:
             fabric.load(resume, state)
-        losses, seen = [], set()
+        losses, seen, outputs = [], set(), set()
         batches = list(loader())
         for step in steps:
             x, y = batches[step]
             optimizer.zero_grad()
             out = model(x)
+            outputs.add(out.dtype)
             if step in overflow_at:
                 poison(out)
             loss = torch.nn.functional.mse_loss(out, y)
@@ -55,6 +56,7 @@ def fabric_run(opt_level, dtype, steps=range(BATCHES), overflow_at=(), resume=No
         result = dict(
             losses=losses,
             seen=seen,
+            outputs=outputs,
             weights={k: v.clone() for k, v in net.state_dict().items()},
             low=[p.detach().clone() for p in net.parameters()],
             optimizer=optimizer.state_dict(),
@@ -67,7 +69,8 @@ def fabric_run(opt_level, dtype, steps=range(BATCHES), overflow_at=(), resume=No
 
 
 @pytest.mark.parametrize(
-    "opt_level,dtype", [("O1", torch.float16), ("O2", torch.float16), ("O2", torch.bfloat16)]
+    "opt_level,dtype",
+    [("O1", torch.float16), ("O1", torch.bfloat16), ("O2", torch.float16), ("O2", torch.bfloat16)],
 )
 def test_fabric_trains_as_amp_by_hand_and_skips_an_overflow(opt_level, dtype):
     run = fabric_run(opt_level, dtype, overflow_at={1})
@@ -78,6 +81,7 @@ def test_fabric_trains_as_amp_by_hand_and_skips_an_overflow(opt_level, dtype):
     assert_same_tensors(run["optimizer"], expected["optimizer"])
     assert run["scale"] == expected["scale"] and run["plugin"]["skipped_steps"] >= 1
     assert run["seen"] == {(torch.float32 if opt_level == "O1" else dtype, torch.float32)}
+    assert run["outputs"] == {torch.float32}  # as from Lightning's mixed plugins, O1 too
 
 
 def test_fabric_resume_is_bit_exact(tmp_path):
