@@ -9,6 +9,7 @@ Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before
 """
 
 import contextlib
+import copy
 import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -93,7 +94,9 @@ class AmpPrecisionBehaviour:
         self._input_dtype: Optional[torch.dtype] = None  # O2/O3: the model's dtype, for batches
         self._trainer_base: Optional[type] = None  # the Trainer's Precision class; None: Fabric
         self._ddp: Optional[_DDP] = None  # the DDP wrapper, whose no_sync() marks accumulation
-        self._pending_state: Optional[Dict[str, Any]] = None  # loaded before initialize
+        # amp's state while no set-up holds it (loaded before one, or left by the last), in
+        # `state_dict`'s form: what state_dict() returns then, and the next set-up loads.
+        self._kept_state: Optional[Dict[str, Any]] = None
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.initialize_kwargs.items())
@@ -124,8 +127,8 @@ class AmpPrecisionBehaviour:
         properties = amp._amp_state.opt_properties  # None where enabled=False
         cast = getattr(properties, "cast_model_type", None)
         self._input_dtype = cast if cast in _LOW_PRECISION else None
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
+        if self._kept_state is not None:
+            state, self._kept_state = self._kept_state, None
             self.load_state_dict(state)
 
     def connect(
@@ -157,8 +160,11 @@ class AmpPrecisionBehaviour:
         )
 
     def teardown(self) -> None:
-        """Undo amp.initialize: the model gets its FP32 weights back (from the masters at O2)."""
+        """Undo amp.initialize: the model gets its FP32 weights back (from the masters at O2).
+        amp's state stays with the plugin, as Lightning's "16-mixed" keeps its GradScaler: a
+        checkpoint saved after ``fit`` carries it, and a later set-up continues from it."""
         if self._initialized:
+            self._kept_state = self.state_dict()
             self._initialized = False
             self._model, self._optimizers, self._ddp = None, [], None
             amp.deinitialize()
@@ -288,20 +294,23 @@ class AmpPrecisionBehaviour:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """amp's loss scalers (plain Python values) and the count of skipped steps."""
+        """amp's loss scalers (plain Python values) and the count of skipped steps; between
+        set-ups (after ``fit``) the state the last one left, or one loaded since ({} if none)."""
         if not self._initialized:
-            return {}
+            return copy.deepcopy(self._kept_state) if self._kept_state is not None else {}
         return {"amp": dict(amp.state_dict()), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore what `state_dict` saved (or a bare ``amp.state_dict()``); before set-up it is
-        kept and loaded when amp.initialize has run."""
-        if not self._initialized:
-            self._pending_state = dict(state_dict)
-            return
+        """Restore what `state_dict` saved (or a bare ``amp.state_dict()``); between set-ups it
+        is kept and loaded when amp.initialize has run."""
         amp_state = state_dict.get("amp", state_dict)
-        amp.load_state_dict({k: v for k, v in amp_state.items() if k != "skipped_steps"})
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        amp_state = {k: v for k, v in amp_state.items() if k != "skipped_steps"}
+        skipped = int(state_dict.get("skipped_steps", 0))
+        if not self._initialized:
+            self._kept_state = {"amp": copy.deepcopy(amp_state), "skipped_steps": skipped}
+            return
+        amp.load_state_dict(amp_state)
+        self.skipped_steps = skipped
 
     def _require_initialized(self, caller: str) -> None:
         if not self._initialized:

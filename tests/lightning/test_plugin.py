@@ -153,23 +153,34 @@ def test_gradient_accumulation(opt_level):
     assert run.global_step == 2 and capture.lr == pytest.approx(1e-2 * 0.9**2)
 
 
-def test_resume_from_a_lightning_checkpoint_is_bit_exact(tmp_path):
+@pytest.mark.parametrize(
+    "opt_level,saved", [("O2", "on_train_end"), ("O2", "after fit"), ("O1", "after fit")]
+)
+def test_resume_from_a_lightning_checkpoint_is_bit_exact(tmp_path, opt_level, saved):
     """Two epochs straight, or one, a checkpoint, and the second in a fresh Trainer: the same
-    model, masters, optimizer state and loss scale, bit for bit (an overflow in each half)."""
+    model, masters, optimizer state and loss scale, bit for bit (an overflow in each half). The
+    checkpoint is saved in a callback, or by `trainer.save_checkpoint` after `fit` (teardown has
+    undone amp then; the plugin keeps amp's state, as "16-mixed" keeps its GradScaler's)."""
 
     def plugin():
-        return AmpPrecision("O2", torch.float16, verbosity=0)
+        return AmpPrecision(opt_level, torch.float16, verbosity=0)
 
     straight = Capture()
     trainer(plugin(), [straight], max_epochs=2).fit(Regressor(overflow_at={1, 5}), loader())
 
     class SaveAtEnd(Capture):
         def on_train_end(self, trainer, module):
-            trainer.save_checkpoint(tmp_path / "half.ckpt")
+            if saved == "on_train_end":
+                trainer.save_checkpoint(tmp_path / "half.ckpt")
 
-    trainer(plugin(), [SaveAtEnd()], max_epochs=1).fit(Regressor(overflow_at={1, 5}), loader())
+    first = trainer(plugin(), [SaveAtEnd()], max_epochs=1)
+    first.fit(Regressor(overflow_at={1, 5}), loader())
+    if saved == "after fit":
+        first.save_checkpoint(tmp_path / "half.ckpt")
     checkpoint = torch.load(tmp_path / "half.ckpt", weights_only=True)
-    assert checkpoint["AmpPrecision"]["amp"]["loss_scaler0"]["loss_scale"] < 65536.0
+    # Two steps skipped in the first epoch (the first, at 65536, and the injected overflow).
+    assert checkpoint["AmpPrecision"]["amp"]["loss_scaler0"]["loss_scale"] == 16384.0
+    assert checkpoint["AmpPrecision"]["skipped_steps"] == 2
     assert checkpoint["state_dict"]["net.0.weight"].dtype is torch.float32
 
     resumed = Capture()
@@ -184,6 +195,8 @@ def test_resume_from_a_lightning_checkpoint_is_bit_exact(tmp_path):
     assert_same_tensors(resumed.optimizer, straight.optimizer)
     assert resumed.plugin == straight.plugin
     assert resumed_plugin.skipped_steps == straight.plugin["skipped_steps"] >= 2
+    # After fit the plugin still holds the state the run ended with, as a checkpoint shows it.
+    assert resumed_plugin.state_dict() == straight.plugin
 
 
 def test_validate_alone_casts_the_model_and_gives_it_back():
