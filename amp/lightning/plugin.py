@@ -47,13 +47,17 @@ class AmpPrecisionBehaviour:
         opt_level: "O0", "O1", "O2" (default: a low-precision model stepped through FP32 master
             weights) or "O3".
         dtype: the low-precision type, ``torch.bfloat16`` (default) or ``torch.float16``.
-        log: log ``amp/loss_scale`` and ``amp/skipped_steps`` from the Trainer at every step.
+        log: log ``amp/loss_scale`` and ``amp/skipped_steps`` from the Trainer at the steps it
+            writes its logs (``log_every_n_steps``) and at the last step of each epoch and of the
+            run: only there does the host wait for the device to learn them.
         **initialize_kwargs: any other argument of ``amp.initialize`` (``loss_scale``,
             ``keep_batchnorm_fp32``, ``num_losses``, ``verbosity``, ``fp32_modules``, ...).
 
     ``skipped_steps`` counts the optimizer steps amp skipped after a gradient overflow, and
     ``last_step_skipped`` says whether the latest one was; ``amp.last_overflow()`` says where the
-    overflow came from. Checkpoints carry amp's loss scalers (``state_dict``).
+    overflow came from. A step does not wait for the device to say whether it was skipped: the
+    plugin learns it when the device's answer has reached the host anyway, or when one of these
+    is read (which then waits for it). Checkpoints carry amp's loss scalers (``state_dict``).
     """
 
     def __init__(
@@ -86,8 +90,10 @@ class AmpPrecisionBehaviour:
         self.log = log
         self.initialize_kwargs = dict(initialize_kwargs)
         self.precision = _precision_name(opt_level, dtype)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
+        self._skipped_steps = 0
+        self._last_step_skipped = False
+        # The overflow checks of each step since those whose outcome the plugin read, oldest first
+        self._unlearned: List[Tuple[Any, ...]] = []
         self._model: Optional[torch.nn.Module] = None  # the module amp.initialize took
         self._optimizers: List[torch.optim.Optimizer] = []
         self._initialized = False
@@ -261,16 +267,47 @@ class AmpPrecisionBehaviour:
         return self._step(optimizer, model, **kwargs)
 
     def _step(self, optimizer: Any, model: Any, **kwargs: Any) -> Any:
-        before = amp.last_overflow()
+        checks = _checks_deciding(optimizer)
         output = optimizer.step(**kwargs)
-        # amp.step decides on the host (one sync); a skip leaves a fresh overflow report.
-        self.last_step_skipped = amp.last_overflow() is not before
-        self.skipped_steps += self.last_step_skipped
-        if self.log and self._trainer_base is not None:
-            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+        # Skipped where a check found inf/NaN: read once its copy reaches the host, no wait here.
+        self._unlearned.append(checks)
+        self._learn(wait=False)
+        if self.log and self._trainer_base is not None and _writes_logs_now(model.trainer):
+            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]  # waits for the copies
             model.log("amp/loss_scale", float(scale), on_step=True, on_epoch=False)
             model.log("amp/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
         return output
+
+    @property
+    def skipped_steps(self) -> int:
+        """The optimizer steps amp skipped (waits for the device's answer about the last ones)."""
+        self._learn(wait=True)
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._unlearned = []
+        self._skipped_steps = int(value)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped (waits for the device's answer)."""
+        self._learn(wait=True)
+        return self._last_step_skipped
+
+    def _learn(self, wait: bool) -> None:
+        """Count the skips of the steps whose checks have reached the host (all, waiting for
+        them, if `wait`), in order."""
+        unlearned = self._unlearned
+        learned = 0
+        for checks in unlearned:
+            if not all(check.arrived(wait) for check in checks):
+                break
+            skipped = any(check.found_value for check in checks)
+            self._skipped_steps += skipped
+            self._last_step_skipped = skipped
+            learned += 1
+        del unlearned[:learned]
 
     # -- gradient clipping ---------------------------------------------------------------------
 
@@ -324,6 +361,25 @@ def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.dtype is not torch.float64:
         return tensor.to(dtype)
     return tensor
+
+
+def _checks_deciding(optimizer: Any) -> Tuple[Any, ...]:
+    """The overflow checks (scaling.scaler.Check) the next step of `optimizer` decides on, those
+    of the scale_loss blocks since its last step: amp skips the step where one found inf/NaN.
+    None for an optimizer amp does not step, or for a loss scale that never skips."""
+    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
+    return tuple(record.pending) if record is not None else ()
+
+
+def _writes_logs_now(trainer: Any) -> bool:
+    """Whether this optimizer step is one the Trainer writes its logs at (``log_every_n_steps``),
+    or the last of its epoch or of the run."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None or connector.should_update_logs:
+        return True
+    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return True
+    return 0 <= trainer.max_steps <= trainer.global_step + 1
 
 
 def _cast_low_precision(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,18 +8,25 @@ import warnings
 import pytest
 import torch
 
+import amp
+
 pytest.importorskip("lightning.pytorch")  # installed by `make test` (the `lightning` extra)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from amp.lightning import AmpPrecision  # noqa: E402
 from lightning_helpers import (  # noqa: E402
+    BATCH,
     BATCHES,
     Capture,
+    FarBehind,
     Regressor,
+    WaitsPerStep,
     amp_loop,
     assert_same_tensors,
+    data,
     loader,
+    make_net,
     poison,
     trainer,
 )
@@ -313,7 +320,56 @@ def test_pytorch_lightning_trainer_takes_the_same_plugin():
 
 def test_log_puts_the_scale_and_the_skips_into_the_trainers_metrics():
     plugin = AmpPrecision("O2", torch.bfloat16, log=True, verbosity=0)
-    run = trainer(plugin, max_steps=3)
+    run = trainer(plugin, max_steps=3)  # the last step of the run logs
     run.fit(Regressor(overflow_at={1}), loader())
     assert run.callback_metrics["amp/skipped_steps"].item() == 1.0
     assert run.callback_metrics["amp/loss_scale"].item() == 32768.0
+
+
+def _waits_by_hand(opt_level, steps, overflow_at, far):
+    """The host's waits in each step of the same training written by hand with amp."""
+    net = make_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net, optimizer = amp.initialize(net, optimizer, opt_level=opt_level, verbosity=0)
+    x, y = data(steps)
+    per_step = []
+    try:
+        for step in range(steps):
+            before = far.waits
+            rows = slice(step % BATCHES * BATCH, (step % BATCHES + 1) * BATCH)
+            xb = x[rows].half() if opt_level == "O2" else x[rows]
+            out = net(xb)
+            if step in overflow_at:
+                poison(out)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(out, y[rows].to(out.dtype))
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            per_step.append(far.waits - before)
+    finally:
+        amp.deinitialize()
+    return per_step
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_waits_for_the_device_no_more_than_amp_by_hand(monkeypatch, opt_level):
+    """Whether a step was skipped is learned when the host next needs it (a logging step, the
+    end of an epoch, skipped_steps read, a checkpoint), not at every step: on a device far
+    behind the host the plugin's steps wait exactly as often as amp's own steps by hand."""
+    far = FarBehind(monkeypatch)
+    by_hand = _waits_by_hand(opt_level, 2 * BATCHES, {1}, far)
+    plugin = AmpPrecision(opt_level, torch.float16, verbosity=0)
+    waits = WaitsPerStep(far)
+    trainer(plugin, [waits], max_epochs=2).fit(Regressor(overflow_at={1}, schedule=False), loader())
+    assert waits.per_step == by_hand
+    assert plugin.skipped_steps == 2  # learned now: the first step (at 65536) and the overflow
+
+    # With log=True the plugin waits at the steps the Trainer writes logs at, and the epochs' last.
+    plugin = AmpPrecision(opt_level, torch.float16, verbosity=0, log=True)
+    waits = WaitsPerStep(far)
+    run = trainer(plugin, [waits], max_epochs=2, log_every_n_steps=3)
+    run.fit(Regressor(overflow_at={1}, schedule=False), loader())
+    logged = {2, 5} | {3, 7}  # every third step; the last of each epoch
+    more = [step for step, (a, b) in enumerate(zip(waits.per_step, by_hand)) if a > b]
+    assert set(more) <= logged and run.callback_metrics["amp/skipped_steps"].item() == 2.0
