@@ -94,6 +94,9 @@ class AmpPrecisionBehaviour:
         self._last_step_skipped = False
         # The overflow checks of each step since those whose outcome the plugin read, oldest first
         self._unlearned: List[Tuple[Any, ...]] = []
+        # id(optimizer) -> (loss_id, losses): the gradients a backward left scaled for the
+        # optimizer's step to unscale (several optimizers, none named: `backward`)
+        self._held: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
         self._model: Optional[torch.nn.Module] = None  # the module amp.initialize took
         self._optimizers: List[torch.optim.Optimizer] = []
         self._initialized = False
@@ -173,6 +176,7 @@ class AmpPrecisionBehaviour:
             self._kept_state = self.state_dict()
             self._initialized = False
             self._model, self._optimizers, self._ddp = None, [], None
+            self._held = {}
             amp.deinitialize()
 
     # -- forward -------------------------------------------------------------------------------
@@ -207,29 +211,60 @@ class AmpPrecisionBehaviour:
         return self._trainer_base.pre_backward(self, tensor, module)
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        """Backward through ``amp.scale_loss``; on exit the gradients are unscaled and checked.
+        """Backward through ``amp.scale_loss``, tied to the optimizer whose step follows.
 
-        ``loss_id=i`` (e.g. ``self.manual_backward(loss, loss_id=1)``) picks amp's loss scaler.
-        A backward that DDP does not synchronise (gradient accumulation in ``no_sync``) leaves
-        its gradients scaled for the synchronised one to unscale, as amp requires under DDP.
+        The Trainer's automatic optimization names it, and one optimizer set up alone is it: the
+        gradients are unscaled and checked when backward ends. With several and none named
+        (manual optimization, Fabric) the gradients stay scaled, held by the optimizers whose
+        parameters require gradients (``toggle_optimizer`` leaves one), and each optimizer's
+        ``step()`` (or Lightning's gradient clipping before it) unscales and checks its own,
+        as Lightning's "16-mixed" does: an inf in one model's gradients skips its optimizer's
+        step only. ``loss_id=i`` (e.g. ``self.manual_backward(loss, loss_id=1)``) picks amp's
+        loss scaler. A backward that DDP does not synchronise (gradient accumulation in
+        ``no_sync``) leaves its gradients scaled for the synchronised one to unscale, as amp
+        requires under DDP.
         """
         self._require_initialized("backward")
         loss_id = kwargs.pop("loss_id", 0)
         optimizer = None
         if self._trainer_base is not None:  # the Trainer passes the optimizer (None: manual)
             optimizer, args = (args[0] if args else None), args[1:]
-        optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
-        if not optimizers:
+        if not self._optimizers:
             raise RuntimeError(
                 "AmpPrecision.backward: no optimizer was set up with the model, so no gradient "
                 "would be unscaled. Pass the optimizers to amp.lightning.setup / the Trainer."
             )
         delay = self._ddp is not None and not self._ddp.require_backward_grad_sync
+        untied = optimizer is None and len(self._optimizers) > 1
+        if not untied:
+            optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
+        else:
+            optimizers = [o for o in self._optimizers if _requires_grad(o)] or self._optimizers
+            delay = True
+            for held in optimizers:  # gradients a zero_grad() dropped take their losses along
+                if not _holds_scaled(held):
+                    self._held.pop(id(held), None)
         with amp.scale_loss(tensor, optimizers, loss_id=loss_id, delay_unscale=delay) as scaled:
             if self._trainer_base is not None:
                 self._trainer_base.backward(self, scaled, model, optimizer, *args, **kwargs)
             else:
                 scaled.backward(*args, **kwargs)
+        if untied:
+            for held in optimizers:
+                losses = self._held.get(id(held), (None, []))[1]
+                self._held[id(held)] = (loss_id, losses + [tensor.detach()])
+
+    def _unscale_held(self, optimizer: Any) -> None:
+        """Unscale and check the gradients `optimizer` holds scaled (a backward not tied to it):
+        an empty scale_loss block of the loss scaler that scaled them, whose losses it checks
+        for inf/NaN; the optimizer's next step decides on it."""
+        held = self._held.pop(id(optimizer), None)
+        if held is None or not _holds_scaled(optimizer):
+            return
+        loss_id, losses = held
+        loss = torch.stack([loss.float().sum() for loss in losses]).sum()  # non-finite if one is
+        with amp.scale_loss(loss, optimizer, loss_id=loss_id):
+            pass
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if self._trainer_base is None:
@@ -261,12 +296,14 @@ class AmpPrecisionBehaviour:
                 "which amp does not support (scale_loss unscales once per backward)."
             )
         closure_result = closure()
+        self._unscale_held(optimizer)  # for on_before_optimizer_step's hooks and the clipping
         self._trainer_base._after_closure(self, model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, so no step (Lightning's rule)
         return self._step(optimizer, model, **kwargs)
 
     def _step(self, optimizer: Any, model: Any, **kwargs: Any) -> Any:
+        self._unscale_held(optimizer)
         checks = _checks_deciding(optimizer)
         output = optimizer.step(**kwargs)
         # Skipped where a check found inf/NaN: read once its copy reaches the host, no wait here.
@@ -319,14 +356,18 @@ class AmpPrecisionBehaviour:
         return amp.master_params(optimizer)
 
     def unscale_gradients(self, optimizer: Any) -> None:
-        return None  # scale_loss unscaled them when backward ended
+        """Gradients a backward left scaled for `optimizer` are unscaled now (Fabric's
+        clip_gradients); others were unscaled when their backward ended."""
+        self._unscale_held(flavours.unwrap_optimizer(optimizer))
 
     def _clip_gradients(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         self._trainer_base._clip_gradients(self, model, optimizer, *args, **kwargs)
 
     def clip_gradients(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        optimizer = flavours.unwrap_optimizer(optimizer)
+        self._unscale_held(optimizer)  # manual optimization clips before the step
         base = self._trainer_base or flavours.installed()[0].precision
-        base.clip_gradients(self, flavours.unwrap_optimizer(optimizer), *args, **kwargs)
+        base.clip_gradients(self, optimizer, *args, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -361,6 +402,17 @@ def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.dtype is not torch.float64:
         return tensor.to(dtype)
     return tensor
+
+
+def _requires_grad(optimizer: Any) -> bool:
+    return any(p.requires_grad for group in optimizer.param_groups for p in group["params"])
+
+
+def _holds_scaled(optimizer: Any) -> bool:
+    """Whether `optimizer`'s gradients wait scaled to be unscaled (delay_unscale blocks since its
+    last unscaling block; a zero_grad() drops them)."""
+    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
+    return record is not None and record.stash.scaled_by is not None
 
 
 def _checks_deciding(optimizer: Any) -> Tuple[Any, ...]:

@@ -5,6 +5,8 @@ import os
 import sys
 import warnings
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ pytest.importorskip("lightning.pytorch")  # installed by `make test` (the `light
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import lightning.pytorch as L  # noqa: E402
 from amp.lightning import AmpPrecision  # noqa: E402
 from lightning_helpers import (  # noqa: E402
     BATCH,
@@ -254,9 +257,116 @@ def test_manual_optimization_with_two_optimizers_and_two_loss_scalers():
     assert all(torch.isfinite(torch.tensor(model.losses)))
 
 
+class GAN(L.LightningModule):
+    """A generator and a discriminator, each with its optimizer, trained by hand in
+    training_step as Lightning's GAN examples do; at the steps in `poison_d_at` an inf reaches the
+    discriminator's weight gradient in the generator's backward (its step never uses it)."""
+
+    def __init__(self, toggle=False, poison_d_at=()):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(3)
+        self.generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
+        self.discriminator = torch.nn.Sequential(
+            torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+        )
+        self.toggle, self.poison_d_at, self.losses = toggle, set(poison_d_at), []
+
+    def training_step(self, batch, batch_idx):
+        g_opt, d_opt = self.optimizers()
+        def backward(loss, optimizer):
+            self.manual_backward(loss)  # no optimizer named
+
+        def clip(optimizer):
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+        self.losses.extend(gan_step(self, batch[0], batch_idx, g_opt, d_opt, backward, clip))
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.AdamW(self.generator.parameters(), lr=1e-2),
+            torch.optim.AdamW(self.discriminator.parameters(), lr=1e-2),
+        )
+
+
+def gan_step(gan, real, step, g_opt, d_opt, backward, clip):
+    """One generator step then one discriminator step, its gradients clipped by `clip`;
+    `backward(loss, optimizer)`: the plugin's manual_backward, or amp.scale_loss on the optimizer
+    whose step follows."""
+    noise = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(step))
+    if gan.toggle:
+        gan.toggle_optimizer(g_opt)
+    g_opt.zero_grad()
+    fake = gan.generator(noise)
+    loss_g = torch.nn.functional.softplus(-gan.discriminator(fake)).mean()
+    hook = None
+    if step in gan.poison_d_at:
+        weight = gan.discriminator[0].weight
+        hook = weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    backward(loss_g, g_opt)
+    if hook is not None:
+        hook.remove()
+    g_opt.step()
+    if gan.toggle:
+        gan.untoggle_optimizer(g_opt)
+        gan.toggle_optimizer(d_opt)
+    d_opt.zero_grad()
+    scores = gan.discriminator(torch.cat([fake.detach(), real]))
+    loss_d = torch.nn.functional.softplus(scores * torch.tensor([[1.0]] * 8 + [[-1.0]] * 8)).mean()
+    backward(loss_d, d_opt)
+    clip(d_opt)
+    d_opt.step()
+    if gan.toggle:
+        gan.untoggle_optimizer(d_opt)
+    return [loss_g.item(), loss_d.item()]
+
+
+@pytest.mark.parametrize("toggle", [False, True])
+def test_manual_backward_is_checked_for_the_optimizer_whose_step_follows(toggle):
+    """An inf in the discriminator's gradient during the generator's backward neither skips the
+    generator's step nor halves the scale: as amp by hand (scale_loss(loss_g, g_opt)) and
+    Lightning's "16-mixed", each optimizer's step checks its own gradients. Lightning's clipping
+    before a step clips them unscaled."""
+    poison = set() if toggle else {1}  # toggled, the discriminator gets no gradient there
+    by_hand = GAN(toggle, poison)
+    g_opt, d_opt = by_hand.configure_optimizers()
+    _, (g_opt, d_opt) = amp.initialize(
+        [by_hand.generator, by_hand.discriminator], [g_opt, d_opt], opt_level="O1", verbosity=0
+    )
+    try:
+        by_hand._trainer = SimpleNamespace(optimizers=[g_opt, d_opt])  # for toggle_optimizer
+
+        def scale_loss(loss, optimizer):
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+
+        def clip(optimizer):
+            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.05)
+
+        losses = []
+        for step, (x, _) in enumerate(loader()):
+            losses += gan_step(by_hand, x, step, g_opt, d_opt, scale_loss, clip)
+        expected_scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    finally:
+        by_hand._trainer = None
+        amp.deinitialize()
+
+    class Weights(L.Callback):
+        def on_train_end(self, trainer, module):
+            self.scale = trainer.precision_plugin.state_dict()["amp"]["loss_scaler0"]
+            self.weights = {k: v.clone() for k, v in module.state_dict().items()}
+
+    plugin = AmpPrecision("O1", torch.float16, verbosity=0)
+    model, weights = GAN(toggle, poison), Weights()
+    trainer(plugin, [weights], max_epochs=1).fit(model, loader())
+    assert model.losses == losses
+    assert_same_tensors(weights.weights, by_hand.state_dict())
+    assert weights.scale["loss_scale"] == expected_scale == 65536.0
+    assert plugin.skipped_steps == 0
+
+
 def test_what_amp_refuses_is_refused_with_amps_message(one_rank_group):
     from torch.distributed.fsdp import fully_shard
-    from types import SimpleNamespace
 
     model = Regressor()
     fully_shard(model.net)
