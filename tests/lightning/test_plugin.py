@@ -365,6 +365,92 @@ def test_manual_backward_is_checked_for_the_optimizer_whose_step_follows(toggle)
     assert plugin.skipped_steps == 0
 
 
+class SharedParameters(L.LightningModule):
+    """Lightning's test_multiple_optimizers_manual_amp: two optimizers over the same parameters,
+    one backward for the first, two (retain_graph) for the second; an inf in the second's
+    gradients at the steps in `poison_at`."""
+
+    def __init__(self, poison_at=()):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(5)
+        self.layer = torch.nn.Linear(8, 1)
+        self.poison_at, self.steps = set(poison_at), []
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        self.steps.append(shared_step(self, batch, batch_idx, first, second, self.manual_backward))
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.SGD(self.layer.parameters(), lr=0.1),
+            torch.optim.SGD(self.layer.parameters(), lr=0.1),
+        )
+
+
+def shared_step(module, batch, step, first, second, backward):
+    """What the two optimizers did, stepped or not: `backward(loss, **kwargs)`."""
+    x, y = batch
+    before = module.layer.weight.detach().clone()
+    loss = torch.nn.functional.mse_loss(module.layer(x), y)
+    backward(loss)
+    assert module.layer.weight.grad is not None
+    first.step()
+    first.zero_grad()
+    stepped = not torch.equal(module.layer.weight, before)
+    before = module.layer.weight.detach().clone()
+    out = module.layer(x)
+    if step in module.poison_at:
+        poison(out)
+    loss = torch.nn.functional.mse_loss(out, y)
+    backward(loss, retain_graph=True)
+    backward(loss)
+    second.step()
+    second.zero_grad()
+    assert module.layer.weight.grad is None
+    return stepped, not torch.equal(module.layer.weight, before)
+
+
+def test_two_optimizers_over_the_same_parameters_at_o1():
+    """Each optimizer's step unscales and checks the shared gradients once, as amp by hand
+    (one scale_loss per optimizer) does, bit for bit; an inf skips the second's step only."""
+    by_hand = SharedParameters(poison_at={1})
+    first, second = by_hand.configure_optimizers()
+    options = dict(max_loss_scale=128.0, verbosity=0)  # no overflow but the one injected
+    _, (first, second) = amp.initialize(by_hand, [first, second], opt_level="O1", **options)
+    steps = []
+    try:
+        for step, (x, y) in enumerate(loader()):
+            weight = by_hand.layer.weight
+            before = weight.detach().clone()
+            with amp.scale_loss(torch.nn.functional.mse_loss(by_hand.layer(x), y), first) as s:
+                s.backward()
+            first.step()
+            first.zero_grad()
+            stepped, before = not torch.equal(weight, before), weight.detach().clone()
+            out = by_hand.layer(x)
+            if step == 1:
+                poison(out)
+            loss = torch.nn.functional.mse_loss(out, y)
+            with amp.scale_loss(loss, second, delay_unscale=True) as s:
+                s.backward(retain_graph=True)
+            with amp.scale_loss(loss, second) as s:
+                s.backward()
+            second.step()
+            second.zero_grad()
+            steps.append((stepped, not torch.equal(weight, before)))
+        expected = {k: v.clone() for k, v in by_hand.state_dict().items()}
+        scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    finally:
+        amp.deinitialize()
+    plugin, model = AmpPrecision("O1", torch.float16, **options), SharedParameters({1})
+    trainer(plugin, max_epochs=1).fit(model, loader())
+    assert model.steps == steps == [(True, True), (True, False), (True, True), (True, True)]
+    assert_same_tensors(model.state_dict(), expected)
+    assert plugin.state_dict()["amp"]["loss_scaler0"]["loss_scale"] == scale == 64.0
+    assert plugin.skipped_steps == 1
+
+
 def test_what_amp_refuses_is_refused_with_amps_message(one_rank_group):
     from torch.distributed.fsdp import fully_shard
 
