@@ -97,12 +97,13 @@ class AmpPrecisionBehaviour:
         # id(optimizer) -> (loss_id, losses): the gradients a backward left scaled for the
         # optimizer's step to unscale (several optimizers, none named: `backward`)
         self._held: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
-        self._model: Optional[torch.nn.Module] = None  # the module amp.initialize took
+        self._models: List[torch.nn.Module] = []  # the modules amp.initialize took
         self._optimizers: List[torch.optim.Optimizer] = []
+        self._fabric_modules: List[Any] = []  # Fabric's wrappers of them (amp.lightning.setup)
         self._initialized = False
         self._input_dtype: Optional[torch.dtype] = None  # O2/O3: the model's dtype, for batches
         self._trainer_base: Optional[type] = None  # the Trainer's Precision class; None: Fabric
-        self._ddp: Optional[_DDP] = None  # the DDP wrapper, whose no_sync() marks accumulation
+        self._ddps: List[_DDP] = []  # the DDP wrappers, whose no_sync() marks accumulation
         # amp's state while no set-up holds it (loaded before one, or left by the last), in
         # `state_dict`'s form: what state_dict() returns then, and the next set-up loads.
         self._kept_state: Optional[Dict[str, Any]] = None
@@ -119,20 +120,42 @@ class AmpPrecisionBehaviour:
         """Run amp.initialize on `model` (FP32, on its device, not wrapped) and `optimizers`.
 
         The Trainer calls it through `connect`, `amp.lightning.setup` for Fabric; None as
-        `optimizers` (evaluation) casts the model only.
+        `optimizers` (evaluation) casts the model only. With Fabric a model set up after others
+        joins them: amp.initialize takes every model and optimizer at once, so it runs again with
+        all of them (the earlier ones get their FP32 weights back first), amp's state kept.
         """
-        if self._initialized:
+        optimizers = [flavours.unwrap_optimizer(o) for o in optimizers or []]
+        if not self._initialized:
+            self._set_up([model], optimizers)
+            return
+        if self._trainer_base is not None:
             raise RuntimeError(
-                "AmpPrecision: this plugin already set up a model; amp trains one set-up at a "
-                "time (pass every model and optimizer in one set-up, or tear down first)."
+                "AmpPrecision: this plugin already set up a model for the Trainer; tear down "
+                "first."
             )
-        optimizers = [flavours.unwrap_optimizer(o) for o in optimizers or []] or None
+        self._set_up_again(self._models + [model], self._optimizers + optimizers)
+
+    def _set_up_again(self, models: List[torch.nn.Module], optimizers: List[Any]) -> None:
+        """amp.initialize undone and run again with `models` and `optimizers`, amp's state kept;
+        where that fails, set up again as before, and raise."""
+        earlier = self._models, self._optimizers
+        self._undo()
+        try:
+            self._set_up(models, optimizers)
+        except BaseException:
+            self._set_up(*earlier)
+            raise
+
+    def _set_up(self, models: List[torch.nn.Module], optimizers: List[Any]) -> None:
         amp.initialize(
-            model, optimizers, opt_level=self.opt_level, dtype=self.dtype, **self.initialize_kwargs
+            list(models),
+            list(optimizers) or None,
+            opt_level=self.opt_level,
+            dtype=self.dtype,
+            **self.initialize_kwargs,
         )
         self._initialized = True
-        self._model = model
-        self._optimizers = optimizers or []
+        self._models, self._optimizers = list(models), list(optimizers)
         properties = amp._amp_state.opt_properties  # None where enabled=False
         cast = getattr(properties, "cast_model_type", None)
         self._input_dtype = cast if cast in _LOW_PRECISION else None
@@ -152,7 +175,7 @@ class AmpPrecisionBehaviour:
         self._trainer_base = flavour.precision
         if isinstance(model, _DDP):
             model = _wrap_again(trainer.strategy, module)
-            self._ddp = model
+            self._ddps = [model]
         if fitting:
             optimizers = flavours.lightning_optimizers(flavour, optimizers)
         return model, optimizers, lr_schedulers
@@ -172,10 +195,15 @@ class AmpPrecisionBehaviour:
         """Undo amp.initialize: the model gets its FP32 weights back (from the masters at O2).
         amp's state stays with the plugin, as Lightning's "16-mixed" keeps its GradScaler: a
         checkpoint saved after ``fit`` carries it, and a later set-up continues from it."""
+        self._undo()
+        self._fabric_modules = []
+
+    def _undo(self) -> None:
+        """amp.deinitialize(), amp's state kept for the next set-up."""
         if self._initialized:
             self._kept_state = self.state_dict()
             self._initialized = False
-            self._model, self._optimizers, self._ddp = None, [], None
+            self._models, self._optimizers, self._ddps = [], [], []
             self._held = {}
             amp.deinitialize()
 
@@ -234,7 +262,7 @@ class AmpPrecisionBehaviour:
                 "AmpPrecision.backward: no optimizer was set up with the model, so no gradient "
                 "would be unscaled. Pass the optimizers to amp.lightning.setup / the Trainer."
             )
-        delay = self._ddp is not None and not self._ddp.require_backward_grad_sync
+        delay = any(not ddp.require_backward_grad_sync for ddp in self._ddps)
         untied = optimizer is None and len(self._optimizers) > 1
         if not untied:
             optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
