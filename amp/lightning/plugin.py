@@ -446,7 +446,7 @@ def _holds_scaled(optimizer: Any) -> bool:
 def _checks_deciding(optimizer: Any) -> Tuple[Any, ...]:
     """The overflow checks (scaling.scaler.Check) the next step of `optimizer` decides on, those
     of the scale_loss blocks since its last step: amp skips the step where one found inf/NaN.
-    None for an optimizer amp does not step, or for a loss scale that never skips."""
+    Empty for an optimizer amp does not step, or for a loss scale that never skips."""
     record = getattr(optimizer, "__dict__", {}).get("_amp_record")
     return tuple(record.pending) if record is not None else ()
 
