@@ -87,13 +87,19 @@ def _check_models_and_optimizers(models, optimizers, properties):
                 else f"optimizer_state={properties.optimizer_state!r}"
             )
             check_covered(optimizer, f"optimizers[{index}]", what)
+        if not properties.master_weights:
+            continue  # each optimizer steps the model's parameters: they may share some
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if owner.setdefault(id(param), index) != index:
                     raise ValueError(
                         "amp.initialize: a parameter appears in two optimizers "
-                        f"(optimizers[{owner[id(param)]}] and optimizers[{index}]); amp unscales "
-                        "and steps each parameter through one optimizer."
+                        f"(optimizers[{owner[id(param)]}] and optimizers[{index}]). With master "
+                        "weights a parameter has one FP32 master, which one optimizer steps; "
+                        "each would make its own, and the model would follow whichever stepped "
+                        "last. Give each parameter one optimizer (param groups for different "
+                        "settings), or train at O1, where optimizers step the model's "
+                        "parameters and may share them."
                     )
 
 

@@ -166,6 +166,16 @@ def test_checkpoint_prints_the_losses_and_what_the_checkpoint_holds(tmp_path):
     assert table[3].endswith("resumed in a fresh process")
 
 
+def test_progress_bars_are_drawn_on_a_terminal_only():
+    import io
+
+    import common
+
+    log = io.StringIO()  # what `make demo > log 2>&1` gives tqdm: no terminal
+    assert list(common.progress(range(3), desc="O1", file=log)) == [0, 1, 2]
+    assert log.getvalue() == ""
+
+
 def test_demo_precision_table():
     table, trace = demo.precision_table(["O0", "O1", "O2", "O3"], torch.float16)
     assert set(table["O0"].values()) == {"float32"}
