@@ -241,6 +241,42 @@ def test_optimizers_sharing_parameters_each_unscale_check_and_skip_their_own(opt
         amp.deinitialize()
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_one_block_over_optimizers_sharing_parameters_unscales_them_once(accumulate):
+    """scale_loss(loss, [first, second]) where both step the last layer: its gradient is
+    unscaled once (also an accumulation's sum), and an overflow skips both steps."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    both = list(model.parameters())
+    first = torch.optim.SGD(both, lr=0.1)
+    second = torch.optim.SGD(both[2:], lr=0.1)
+    model, (first, second) = amp.initialize(
+        model, [first, second], opt_level="O1", loss_scale="dynamic", verbosity=0
+    )
+    x = torch.randn(8, 4)
+    passes = 2 if accumulate else 1
+    try:
+        for poisoned in (False, True):
+            expected = torch.autograd.grad(model(x).pow(2).mean() * passes, both)
+            for index in range(passes):
+                out = model(x)
+                if poisoned:
+                    out.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+                last = index == passes - 1
+                with amp.scale_loss(out.pow(2).mean(), [first, second], delay_unscale=not last) as s:
+                    s.backward()
+            if not poisoned:
+                for param, grad in zip(both, expected):
+                    torch.testing.assert_close(param.grad, grad)
+            before = [p.detach().clone() for p in both]
+            first.step()
+            second.step()
+            changed = [not torch.equal(p, b) for p, b in zip(both, before)]
+            assert changed == [not poisoned] * len(both)
+            first.zero_grad()
+    finally:
+        amp.deinitialize()
+
+
 def test_second_initialize_is_refused_until_deinitialize():
     model, optimizer = make_pair()
     amp.initialize(model, optimizer, verbosity=0)

@@ -82,10 +82,15 @@ class OptimizerRecord:
         stash.enter(scaler, delay_unscale, inv_scale, identity, holders)
         return None
 
-    def close_block(self, found_inf, check):
+    def close_block(self, found_inf, check, unscaled=None):
         """The block exited normally: its gradients unscaled and checked into `found_inf`;
-        `check` (or None, unchecked) decides whether the next step is skipped."""
+        `check` (or None, unchecked) decides whether the next step is skipped. `unscaled`: ids of
+        parameters another optimizer of the same block unscaled already (they may share them
+        without master weights), to which this one adds its own."""
         plain = self.table.plain_params(self.optimizer.param_groups)
+        if unscaled is not None:
+            plain = [param for param in plain if id(param) not in unscaled]
+            unscaled.update(map(id, plain))
         self.stash.commit(found_inf, plain, self.deferral if self.defers else None)
         if check is not None:
             self.pending.append(check)
