@@ -209,6 +209,43 @@ def test_resume_from_a_lightning_checkpoint_is_bit_exact(tmp_path, opt_level, sa
     assert resumed_plugin.state_dict() == straight.plugin
 
 
+def test_compact_state_trains_as_amp_by_hand_and_resumes_bit_exact(tmp_path):
+    """master_weights="compact" and optimizer_state="int8" reach amp.initialize through the
+    plugin: the Trainer (an overflow skipped, Lightning's clipping on the masters) trains as amp
+    by hand, and a run resumed from a checkpoint ends as the straight run, bit for bit."""
+    options = dict(master_weights="compact", optimizer_state="int8", loss_scale="dynamic")
+
+    def plugin():
+        return AmpPrecision("O2", torch.bfloat16, verbosity=0, **options)
+
+    def run(callbacks, **kwargs):
+        return trainer(plugin(), callbacks, gradient_clip_val=0.05, **kwargs)
+
+    model, capture = Regressor(overflow_at={1}), Capture()
+    run([capture], max_steps=BATCHES).fit(model, loader())
+    expected = amp_loop("O2", torch.bfloat16, BATCHES, overflow_at={1}, clip=0.05, **options)
+    assert model.losses == expected["losses"]
+    assert_same_tensors(capture.weights, expected["weights"])
+    assert_same_tensors(capture.low, expected["low"])
+    assert_same_tensors(capture.optimizer, expected["optimizer"])
+    assert capture.optimizer["state"][0]["exp_avg_sq_codes"].dtype is torch.uint8
+    assert capture.plugin["skipped_steps"] >= 1
+
+    straight = Capture()
+    run([straight], max_epochs=2).fit(Regressor(overflow_at={1, 5}), loader())
+    first = run([Capture()], max_epochs=1)
+    first.fit(Regressor(overflow_at={1, 5}), loader())
+    first.save_checkpoint(tmp_path / "half.ckpt")
+    resumed = Capture()
+    run([resumed], max_epochs=2).fit(
+        Regressor(overflow_at={1, 5}), loader(), ckpt_path=tmp_path / "half.ckpt"
+    )
+    assert_same_tensors(resumed.weights, straight.weights)
+    assert_same_tensors(resumed.low, straight.low)
+    assert_same_tensors(resumed.optimizer, straight.optimizer)
+    assert resumed.plugin == straight.plugin
+
+
 def test_validate_alone_casts_the_model_and_gives_it_back():
     seen = []
 

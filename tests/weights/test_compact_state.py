@@ -111,6 +111,34 @@ def test_compact_masters_follow_fp32_masters_to_a_fraction_of_a_bf16_ulp(form):
         assert ((ours - theirs).abs() <= bound).all()
 
 
+@pytest.mark.parametrize(
+    "options", [dict(float8="tensorwise"), dict(fp32_modules=["2"])], ids=["float8", "fp32"]
+)
+def test_float8_and_layers_kept_fp32_step_as_with_fp32_masters(options):
+    """float8= and fp32_modules= with compact masters: a step as with FP32 masters, to what the
+    correction keeps; a layer kept FP32 has no master, its own weight stepped."""
+    results = []
+    for form in ({}, dict(master_weights="compact")):
+        model = make_model(inputs=16, hidden=32, outputs=16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form, **options
+        )
+        with amp.trace() as trace:
+            train(model, optimizer, range(1))
+        results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        stepped = optimizer.param_groups[0]["params"]
+        kept = model[2].weight.dtype is torch.float32 and any(p is model[2].weight for p in stepped)
+        amp.deinitialize()
+    if "float8" in options:
+        assert torch.float8_e4m3fn in {record.ran_in for record in trace.records}
+    else:
+        assert kept
+    for name, theirs in results[0].items():
+        bound = (theirs.abs() + 0.01) * 2**-7 / 128  # as in the test above
+        assert ((results[1][name] - theirs).abs() <= bound).all(), name
+
+
 @pytest.mark.parametrize("form", FORMS, ids=IDS)
 def test_a_skipped_step_changes_no_bit(form):
     model, optimizer = setup(form)
