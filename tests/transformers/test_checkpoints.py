@@ -32,14 +32,17 @@ from amp.transformers.checkpoints import AMP_STATE_NAME, load_amp_state  # noqa:
 OPTIONS = {"opt_level": "O2", "dtype": torch.bfloat16, "verbosity": 0}
 
 
-def _run(output_dir, seed, resume=None, save_strategy="no", overflow_at=()):
+COMPACT = {**OPTIONS, "master_weights": "compact", "optimizer_state": "int8"}
+
+
+def _run(output_dir, seed, resume=None, save_strategy="no", overflow_at=(), options=OPTIONS):
     model = make_model(seed)
     trainer = AmpTrainer(
         model=model,
         args=training_args(output_dir, num_train_epochs=3, save_strategy=save_strategy),
         train_dataset=make_data(),
         callbacks=[InfGradient(model.transformer.wte.weight, at=overflow_at)],
-        amp_options=OPTIONS,
+        amp_options=options,
     )
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -65,22 +68,29 @@ def _same(a, b):
     return a == b
 
 
-def test_resume_after_epoch_one_ends_bit_identical_to_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("options", [OPTIONS, COMPACT], ids=["fp32-masters", "compact-int8"])
+def test_resume_after_epoch_one_ends_bit_identical_to_the_uninterrupted_run(tmp_path, options):
     # An overflow at step 2 halves the loss scale before the checkpoint of epoch 1 (step 4): the
-    # resumed run must continue from 32768, with one skipped step counted.
-    straight = _run(tmp_path / "straight", seed=0, save_strategy="epoch", overflow_at={1})
+    # resumed run must continue from 32768, with one skipped step counted. Compact state rides in
+    # the same files (the corrections as amp_master_params, the moments as codes and scales).
+    straight = _run(
+        tmp_path / "straight", seed=0, save_strategy="epoch", overflow_at={1}, options=options
+    )
     checkpoint = tmp_path / "straight" / "checkpoint-4"
     saved = torch.load(checkpoint / AMP_STATE_NAME, weights_only=True)
     assert saved == {
         "amp": {"loss_scaler0": {"loss_scale": 2.0**15, "unskipped": 2, "dynamic": True}},
         "skipped_steps": 1,
     }
-    assert "amp_master_params" in torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert "amp_master_params" in optimizer
+    if options is COMPACT:
+        assert {s["exp_avg_sq_codes"].dtype for s in optimizer["state"].values()} == {torch.uint8}
     assert {v.dtype for v in load_file(checkpoint / "model.safetensors").values()} == {
         torch.float32
     }
     # Other initial weights: everything must come from the checkpoint.
-    resumed = _run(tmp_path / "resumed", seed=123, resume=str(checkpoint))
+    resumed = _run(tmp_path / "resumed", seed=123, resume=str(checkpoint), options=options)
     assert_same(resumed["weights"], straight["weights"])
     assert _same(resumed["optimizer"], straight["optimizer"])
     assert resumed["amp"] == straight["amp"] and resumed["skipped"] == straight["skipped"] == 1
