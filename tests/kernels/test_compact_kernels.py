@@ -141,6 +141,10 @@ def copied(state):
     return {key: copy(value) for key, value in state.items()}
 
 
+def _scalar(value, state):
+    return None if value is None else torch.tensor(value, device=state["grads"][0].device)
+
+
 def run_adam(module, state, *, found=0.0, inv=INV, decoupled=True):
     state = copied(state)
     scales = None if state["m_scales"] is None else (state["m_scales"], state["v_scales"])
@@ -153,8 +157,8 @@ def run_adam(module, state, *, found=0.0, inv=INV, decoupled=True):
         state["lows"],
         state["corrections"],
         scales,
-        None if inv is None else torch.tensor(inv),
-        None if found is None else torch.tensor(found),
+        _scalar(inv, state),
+        _scalar(found, state),
         dict(ADAM, decoupled=decoupled),
     )
     return state
@@ -169,8 +173,8 @@ def run_sgd(module, state, options, *, first_step=False, found=0.0, inv=INV):
         state["lows"],
         state["corrections"],
         state["m_scales"],
-        None if inv is None else torch.tensor(inv),
-        None if found is None else torch.tensor(found),
+        _scalar(inv, state),
+        _scalar(found, state),
         dict(options, first_step=first_step),
     )
     return state
@@ -389,6 +393,31 @@ def test_the_packed_launches_are_kept_and_follow_new_gradients_and_moved_data(fo
                 for held, new in zip(target[key], stepped[key]):
                     held.copy_(new)
         assert_same_bits(ours, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("moments", MOMENTS)
+def test_on_a_gpu_the_compact_kernels_are_the_cpu_oracle_bit_for_bit(moments, master):
+    """The CuPy backend on CUDA tensors against the torch backend on the CPU: on CUDA, torch's
+    ops round the codecs differently (a division by a Python scalar is a multiply by its
+    reciprocal there), the kernels as on the CPU."""
+    choice = kernels.cuda_backend()
+    assert choice.name == "cupy", f"the CuPy backend is not in use: {choice.reason}"
+
+    def to(state, device):
+        return {
+            key: None if value is None else [None if t is None else t.to(device) for t in value]
+            for key, value in state.items()
+        }
+
+    adam = make_state(SIZES, master, moments, torch.bfloat16)
+    stepped = to(run_adam(choice.module, to(adam, "cuda")), "cpu")
+    assert_same_bits(stepped, oracle(run_adam, adam))
+    sgd = make_state(SIZES, master, moments, torch.bfloat16, sgd=True)
+    for first_step in (False, True):
+        stepped = to(run_sgd(choice.module, to(sgd, "cuda"), SGD[0], first_step=first_step), "cpu")
+        assert_same_bits(stepped, oracle(run_sgd, sgd, SGD[0], first_step=first_step))
 
 
 # -- the bytes they move ------------------------------------------------------------------------------
