@@ -17,8 +17,8 @@ $(BIN)/python:
 	$(PIP) torch==2.13.0
 
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml compat/apex/setup.cfg
-	@echo "[make] 3/4 installing amp (editable) with its test, demo and lightning extras: pytest, scikit-learn, matplotlib, lightning, ..."
-	$(PIP) --quiet -e '.[test,demo,lightning]'
+	@echo "[make] 3/4 installing amp (editable) with its test, demo, lightning and transformers extras: pytest, scikit-learn, matplotlib, lightning, transformers, ..."
+	$(PIP) --quiet -e '.[test,demo,lightning,transformers]'
 	@echo "[make] 4/4 installing the apex compatibility package (compat/apex, editable)"
 	$(PIP) --quiet -e ./compat/apex
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
@@ -35,7 +35,7 @@ test-all: $(VENV)/.installed
 
 test-quick: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/programs --ignore=tests/kernels \
-		--ignore=tests/lightning
+		--ignore=tests/lightning --ignore=tests/transformers
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/demo.py

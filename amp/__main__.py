@@ -45,6 +45,11 @@ def report():
     choice = kernels.cuda_backend()
     lines.append(f"kernel backend on CUDA tensors: {choice.name} ({choice.reason})")
     lines.append("kernel backend on CPU tensors: torch")
+    compact = "its kernels" if choice.name == "cupy" else "the torch backend, in pieces"
+    lines.append(
+        "O2 compact state (master_weights='compact', optimizer_state='bf16'/'int8'): "
+        f"bf16 models, torch.optim.AdamW/Adam/SGD; on CUDA tensors by {compact}"
+    )
     missing = lists.missing()
     lines.append(
         f"op tables: {sum(1 for _ in lists.entries())} entries, "

@@ -21,6 +21,7 @@ from .weights import model as model_module
 from .weights import instrument as instrument_module
 from .weights import optimizer as optimizer_module
 from .diagnostics import overflow
+from .weights.fused_step import check_covered
 from .weights.masters import match_state_to_params
 from .weights.snapshot import Snapshot
 
@@ -79,13 +80,26 @@ def _check_models_and_optimizers(models, optimizers, properties):
     owner = {}
     for index, optimizer in enumerate(optimizers):
         instrument_module.check_optimizer(optimizer, index)
+        if properties.compact:
+            what = (
+                "master_weights='compact'"
+                if properties.master_weights == properties_module.COMPACT
+                else f"optimizer_state={properties.optimizer_state!r}"
+            )
+            check_covered(optimizer, f"optimizers[{index}]", what)
+        if not properties.master_weights:
+            continue  # each optimizer steps the model's parameters: they may share some
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if owner.setdefault(id(param), index) != index:
                     raise ValueError(
                         "amp.initialize: a parameter appears in two optimizers "
-                        f"(optimizers[{owner[id(param)]}] and optimizers[{index}]); amp unscales "
-                        "and steps each parameter through one optimizer."
+                        f"(optimizers[{owner[id(param)]}] and optimizers[{index}]). With master "
+                        "weights a parameter has one FP32 master, which one optimizer steps; "
+                        "each would make its own, and the model would follow whichever stepped "
+                        "last. Give each parameter one optimizer (param groups for different "
+                        "settings), or train at O1, where optimizers step the model's "
+                        "parameters and may share them."
                     )
 
 
@@ -135,6 +149,7 @@ def initialize(
     dtype: torch.dtype | None = None,
     fp32_modules: Sequence[type | str] | None = None,
     float8: str | None = None,
+    optimizer_state: str = "fp32",
 ) -> Any:
     """Set models and optimizers up for mixed precision training at `opt_level`.
 
@@ -152,7 +167,9 @@ def initialize(
             other amp call a no-op.
         opt_level (str, default="O1"): "O0", "O1", "O2" or "O3" (the letter O).
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
-            overrides of the opt level's properties (see README's table).
+            overrides of the opt level's properties (see README's table). ``master_weights=
+            "compact"`` (O2, bf16): each master is the bf16 weight and an 8-bit correction, no
+            FP32 copy, stepped by amp's fused step (torch.optim.AdamW, Adam and SGD).
         cast_model_outputs (torch.dtype, optional): the dtype O0/O2/O3 models return (FP32).
         num_losses (int, default=1): how many loss scalers (``scale_loss(loss_id=...)``).
         verbosity (int, default=1): 0 silences amp's messages, 2 adds detail.
@@ -167,6 +184,9 @@ def initialize(
             16 runs its forward, grad-input and grad-weight matmuls in FP8 with dynamic scales,
             output in the level's dtype; everything else as the level says. ``fp32_modules``
             and registering F.linear (``amp.register_float_function``) exclude layers. None: off.
+        optimizer_state (str, default="fp32"): how O2's fused step keeps the optimizer's moments
+            (AdamW/Adam's two, SGD's momentum): "fp32" (torch's own), "bf16", or "int8" (8 bits,
+            block-scaled; the second moment companded).
 
     Returns:
         The models and optimizers in the shapes they were passed (apex's rules).
@@ -207,7 +227,9 @@ def initialize(
         ).items()
         if value is not None
     }
-    base, properties = properties_module.resolve(opt_level, dtype, float8, **overrides)
+    base, properties = properties_module.resolve(
+        opt_level, dtype, float8, optimizer_state, **overrides
+    )
     min_loss_scale = _check_positive("min_loss_scale", min_loss_scale, allow_none=True)
     max_loss_scale = _check_positive("max_loss_scale", max_loss_scale, allow_none=True)
     if (
@@ -290,8 +312,11 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
                 id(p) for p in model_module.parameters_to_cast(model, keep_bn)
             )
     with_masters = amp_state.cast_params if properties.master_weights else set()
+    compact = properties.master_weights == properties_module.COMPACT
+    state = properties.optimizer_state
     amp_state.optimizers = [
-        instrument_module.instrument(optimizer, with_masters, ledger) for optimizer in optimizers
+        instrument_module.instrument(optimizer, with_masters, ledger, compact, state)
+        for optimizer in optimizers
     ]
     if with_masters:
         engines.follow_ddp_broadcast(ledger)
@@ -299,7 +324,9 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
     for model in models:
         if cast_dtype is not None and cast_dtype is not torch.float32:
             keep_fp32 = bool(properties.master_weights)
-            cast.append(model_module.cast_model(model, cast_dtype, keep_bn, keep_fp32, ledger))
+            cast.append(
+                model_module.cast_model(model, cast_dtype, keep_bn, keep_fp32, ledger, compact)
+            )
         if cast_dtype is not None or cast_model_outputs is not None:
             model_module.cast_forward(
                 model, cast_dtype, cast_model_outputs or torch.float32, ledger

@@ -20,6 +20,9 @@ __all__ = [
     "check_low_precision_dtype",
     "defaults",
     "check_float8",
+    "COMPACT",
+    "OPTIMIZER_STATES",
+    "check_optimizer_state",
     "resolve",
     "check_verbosity",
     "check_loss_scale",
@@ -27,6 +30,8 @@ __all__ = [
 ]
 
 DYNAMIC = "dynamic"
+COMPACT = "compact"  # master_weights: a bf16 weight and an 8-bit correction, no FP32 copy
+OPTIMIZER_STATES = ("fp32", "bf16", "int8")  # how O2's fused step keeps the optimizer's moments
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 
 # Placeholder in the table for "the low-precision dtype the user chose" (float16 by default).
@@ -53,17 +58,26 @@ class Properties:
     cast_model_type: object  # a torch.dtype, or None / False for "do not cast the model"
     patch_torch_functions: bool
     keep_batchnorm_fp32: object  # True, False or None
-    master_weights: object  # True, False or None
+    master_weights: object  # True, False, None, or COMPACT
     loss_scale: object  # a positive float, or "dynamic"
     dtype: torch.dtype = torch.float16
     float8: Optional[str] = None  # a recipe of amp/lists/float8_recipes.py, or None (off)
+    optimizer_state: str = "fp32"  # one of OPTIMIZER_STATES
 
     def options(self):
-        """The options as (name, value) pairs in apex's order, then dtype (and float8 if on)."""
+        """The options as (name, value) pairs in apex's order, then dtype (and optimizer_state
+        and float8 where they are not the default)."""
         options = [(name, getattr(self, name)) for name in OPTION_NAMES] + [("dtype", self.dtype)]
+        if self.optimizer_state != "fp32":
+            options.append(("optimizer_state", self.optimizer_state))
         if self.float8 is not None:
             options.append(("float8", self.float8))
         return options
+
+    @property
+    def compact(self):
+        """O2's step keeps compact state: compact masters, or moments not in FP32."""
+        return self.master_weights == COMPACT or self.optimizer_state != "fp32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +180,17 @@ def check_float8(float8, opt_level):
     return float8
 
 
-def resolve(opt_level, dtype=None, float8=None, **overrides):
+def check_optimizer_state(optimizer_state):
+    """`optimizer_state` if it is one of OPTIMIZER_STATES, else a ValueError."""
+    if not isinstance(optimizer_state, str) or optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"optimizer_state={optimizer_state!r}: expected 'fp32' (the optimizer's own FP32 "
+            "moments), 'bf16' or 'int8' (8-bit, block-scaled moments kept by O2's fused step)."
+        )
+    return optimizer_state
+
+
+def resolve(opt_level, dtype=None, float8=None, optimizer_state="fp32", **overrides):
     """Defaults of `opt_level` with every non-None override applied and validated, in apex's order.
 
     Returns (defaults, resolved) so callers can show both.
@@ -174,6 +198,7 @@ def resolve(opt_level, dtype=None, float8=None, **overrides):
     dtype = check_low_precision_dtype(dtype)
     base = defaults(opt_level, dtype)
     float8 = check_float8(float8, base.opt_level)
+    optimizer_state = check_optimizer_state(optimizer_state)
     unknown = set(overrides) - set(_VALIDATORS)
     if unknown:
         raise TypeError(
@@ -186,7 +211,29 @@ def resolve(opt_level, dtype=None, float8=None, **overrides):
             continue
         values[name] = _VALIDATORS[name](value, values)
     values["float8"] = float8
-    return base, Properties(**values)
+    values["optimizer_state"] = optimizer_state
+    resolved = Properties(**values)
+    _check_compact(resolved)
+    return base, resolved
+
+
+def _check_compact(properties):
+    """Compact masters need a bf16 model with masters; 8-bit or bf16 moments need masters (the
+    fused step that keeps them steps masters)."""
+    if properties.master_weights == COMPACT and properties.cast_model_type is not torch.bfloat16:
+        raise ValueError(
+            f"master_weights='compact' keeps each master as a bf16 weight and an 8-bit "
+            f"correction, so the model must be cast to torch.bfloat16; opt_level="
+            f"{properties.opt_level!r} casts it to {properties.cast_model_type}. float16's "
+            "5-bit exponent cannot hold the masters' range: pass dtype=torch.bfloat16, or "
+            "master_weights=True for FP32 masters."
+        )
+    if properties.optimizer_state != "fp32" and not properties.master_weights:
+        raise ValueError(
+            f"optimizer_state={properties.optimizer_state!r} is kept by O2's fused master step, "
+            f"and opt_level={properties.opt_level!r} has no master weights: use opt_level='O2' "
+            "(master_weights=True or 'compact'), or optimizer_state='fp32'."
+        )
 
 
 def _bool_option(name, value):
@@ -244,7 +291,15 @@ def _master_weights(value, values):
             "It doesn't make sense to use master_weights with O1. With O1, your model weights "
             "themselves should be FP32."
         )
-    return _bool_option("master_weights", value)
+    if value == COMPACT:
+        return COMPACT
+    try:
+        return _bool_option("master_weights", value)
+    except TypeError:
+        raise TypeError(
+            f"master_weights must be True, False, 'True', 'False', 'compact' or None; got "
+            f"{value!r}."
+        ) from None
 
 
 def _loss_scale(value, values):

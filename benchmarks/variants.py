@@ -11,6 +11,8 @@
   amp O2 + float8    amp O2 with float8="tensorwise" (or "rowwise"): F.linear's matmuls in FP8;
                      set up here, counted by step_costs' device-work table only
   torchao float8     manual O2 foreach with torchao's Float8Linear swapped in (the FP8 peer)
+  amp O2 compact     amp O2 with master_weights="compact" (and "... int8": optimizer_state="int8");
+                     "amp O2 bf16 no masters": master_weights=False (benchmarks/compact_state.py)
 
 The manual O2 peer: every module but batch norm is cast to `dtype` (batch norm stays FP32, as amp
 O2 keeps it); the optimizer holds an FP32 master copy of every parameter and a persistent FP32
@@ -120,7 +122,7 @@ def _amp_autocast(model, loss_fn, dtype, optimizer):
     return Trainer(model, step, amp.deinitialize, scaler.get_scale)
 
 
-def _amp_level(opt_level, float8=None):
+def _amp_level(opt_level, float8=None, **options):
     def setup(model, loss_fn, dtype, optimizer):
         model, opt = amp.initialize(
             model,
@@ -129,6 +131,7 @@ def _amp_level(opt_level, float8=None):
             dtype=dtype,
             verbosity=0,
             float8=float8,
+            **options,
         )
 
         def step(inputs, targets):
@@ -222,6 +225,10 @@ SETUPS = {
     "amp O2 + float8 rowwise": _amp_level("O2", float8="rowwise"),
     # The peer: manual O2 (foreach AdamW) with torchao's Float8Linear swapped in.
     "torchao float8": _manual_o2("foreach", float8="tensorwise"),
+    # Compact state (bfloat16 only): benchmarks/compact_state.py
+    "amp O2 compact": _amp_level("O2", master_weights="compact"),
+    "amp O2 compact int8": _amp_level("O2", master_weights="compact", optimizer_state="int8"),
+    "amp O2 bf16 no masters": _amp_level("O2", master_weights=False),
 }
 
 

@@ -55,7 +55,10 @@ def opt_level_argument(parser: argparse.ArgumentParser, default):
 
 
 def progress(iterable, **kwargs):
-    """A progress bar on stderr that leaves the results on stdout readable."""
+    """A progress bar on stderr that leaves the results on stdout readable, shown only where
+    stderr is a terminal (disable=None: tqdm decides), so that a log gets no carriage-return
+    frames."""
+    kwargs.setdefault("disable", None)
     return tqdm(iterable, leave=False, dynamic_ncols=True, **kwargs)
 
 
@@ -71,6 +74,15 @@ def report_rank(rank, out, state, scales, skipped, accuracy):
         f"rank {rank}: accuracy {accuracy:.4f}, skipped steps {skipped}, final loss scale {scales[-1]}",
         flush=True,
     )
+
+
+def leave_rank():
+    """End a rank's process once its results are printed and saved: output flushed, then
+    os._exit(0), skipping the C++ static destructors of a normal exit, in which torch's gloo
+    backend aborts now and then ("terminate called without an active exception"), amp or not."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def distributed_arguments(parser: argparse.ArgumentParser):

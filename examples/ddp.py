@@ -24,6 +24,7 @@ from common import (  # noqa: E402
     device_argument,
     distributed_arguments,
     init_distributed,
+    leave_rank,
     opt_level_argument,
     progress,
     report_rank,
@@ -86,3 +87,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    leave_rank()

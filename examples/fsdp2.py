@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     device_argument,
     distributed_arguments,
     init_distributed,
+    leave_rank,
     progress,
     report_rank,
 )
@@ -123,3 +124,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    leave_rank()

@@ -196,12 +196,85 @@ def test_wrong_types_are_refused():
         amp.initialize((model,), optimizer, verbosity=0)
 
 
-def test_parameter_in_two_optimizers_is_refused():
+def test_parameter_in_two_optimizers_is_refused_with_master_weights():
     model = bn_model()
     o0 = torch.optim.SGD(model.parameters(), lr=0.1)
     o1 = torch.optim.SGD(list(model.parameters())[:1], lr=0.1)
-    with pytest.raises(ValueError, match="a parameter appears in two optimizers"):
-        amp.initialize(model, [o0, o1], verbosity=0)
+    before = snapshot(model, o0)
+    with pytest.raises(ValueError, match="a parameter appears in two optimizers.*one FP32 master"):
+        amp.initialize(model, [o0, o1], opt_level="O2", verbosity=0)
+    assert_unchanged(model, o0, before)
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O3"])
+def test_optimizers_sharing_parameters_each_unscale_check_and_skip_their_own(opt_level):
+    """Without master weights each optimizer steps the model's parameters: two may share them
+    (Lightning's test_multiple_optimizers_manual_amp), each through its own scale_loss."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    both = list(model.parameters())
+    first = torch.optim.SGD(both, lr=0.1)
+    second = torch.optim.SGD(both[2:], lr=0.1)  # the last layer in both
+    dtype = torch.bfloat16 if opt_level == "O3" else torch.float16
+    model, (first, second) = amp.initialize(
+        model, [first, second], opt_level=opt_level, dtype=dtype, loss_scale="dynamic", verbosity=0
+    )
+    x = torch.randn(8, 4).to(next(model.parameters()).dtype)
+    try:
+        for optimizer, poisoned in ((first, False), (second, False), (second, True), (first, True)):
+            expected = torch.autograd.grad(model(x).float().pow(2).mean(), both)
+            optimizer.zero_grad()
+            out = model(x)
+            if poisoned:
+                out.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+            with amp.scale_loss(out.float().pow(2).mean(), optimizer) as scaled:
+                scaled.backward()
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not poisoned:  # unscaled once, as an unscaled backward makes them
+                for param, grad in zip(both, expected):
+                    if id(param) in stepped:
+                        torch.testing.assert_close(param.grad, grad)
+            before = [p.detach().clone() for p in both]
+            optimizer.step()
+            changed = [not torch.equal(p, b) for p, b in zip(both, before)]
+            assert changed == [id(p) in stepped and not poisoned for p in both]
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_one_block_over_optimizers_sharing_parameters_unscales_them_once(accumulate):
+    """scale_loss(loss, [first, second]) where both step the last layer: its gradient is
+    unscaled once (also an accumulation's sum), and an overflow skips both steps."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    both = list(model.parameters())
+    first = torch.optim.SGD(both, lr=0.1)
+    second = torch.optim.SGD(both[2:], lr=0.1)
+    model, (first, second) = amp.initialize(
+        model, [first, second], opt_level="O1", loss_scale="dynamic", verbosity=0
+    )
+    x = torch.randn(8, 4)
+    passes = 2 if accumulate else 1
+    try:
+        for poisoned in (False, True):
+            expected = torch.autograd.grad(model(x).pow(2).mean() * passes, both)
+            for index in range(passes):
+                out = model(x)
+                if poisoned:
+                    out.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+                last = index == passes - 1
+                with amp.scale_loss(out.pow(2).mean(), [first, second], delay_unscale=not last) as s:
+                    s.backward()
+            if not poisoned:
+                for param, grad in zip(both, expected):
+                    torch.testing.assert_close(param.grad, grad)
+            before = [p.detach().clone() for p in both]
+            first.step()
+            second.step()
+            changed = [not torch.equal(p, b) for p, b in zip(both, before)]
+            assert changed == [not poisoned] * len(both)
+            first.zero_grad()
+    finally:
+        amp.deinitialize()
 
 
 def test_second_initialize_is_refused_until_deinitialize():

@@ -36,7 +36,7 @@ LAYERS = (
     ("amp.weights",),
     ("amp.scaling",),  # loss scalers, scale_loss, GradScaler
     ("amp.auditing",),  # the audit runs the others' machinery
-    ("amp.frontend", "amp.__main__", "amp", "amp.lightning"),  # the front door
+    ("amp.frontend", "amp.__main__", "amp", "amp.lightning", "amp.transformers"),  # the front door
 )
 
 

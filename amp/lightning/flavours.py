@@ -104,21 +104,24 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-# The optimizer methods amp replaces on the instance (amp/weights/optimizer.py). Lightning's
-# optimizer wrappers subclass the optimizer's class on the fly and reach the optimizer's instance
-# attributes only where no class defines the name: zero_grad() would leave amp's gradients and
-# pending overflow flags in place, a LightningOptimizer's state_dict() would drop the O2 masters.
+# The optimizer methods that must run on the optimizer itself. Lightning's optimizer wrappers
+# subclass the optimizer's class on the fly and reach the optimizer's attributes only where no
+# class defines the name, so the class's methods run on the wrapper: zero_grad() would miss amp's
+# (its gradients and pending overflow flags stay), and torch's load_state_dict() binds the loaded
+# `state` and `param_groups` on the wrapper, leaving the optimizer amp steps as it was (a resumed
+# run started from fresh Adam moments while the checkpoint's sat on the LightningOptimizer).
 _INSTANCE_METHODS = ("zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
 
 def route_to_instance(wrapper: Any) -> Any:
-    """Make `wrapper` (a LightningOptimizer or _FabricOptimizer) call amp's methods of its
-    optimizer, where the wrapper class does not define the method itself."""
+    """Make `wrapper` (a LightningOptimizer or _FabricOptimizer) call these methods of its
+    optimizer (amp's where amp replaced them, else the optimizer's own, torch's state-dict hooks
+    and all), where the wrapper class does not define the method itself."""
     optimizer = unwrap_optimizer(wrapper)
     wrappers = tuple(w for flavour in installed() for w in flavour.optimizer_wrappers)
     defined = {name for cls in type(wrapper).__mro__ if cls in wrappers for name in vars(cls)}
     for name in _INSTANCE_METHODS:
-        method = vars(optimizer).get(name)
+        method = getattr(optimizer, name, None)
         if method is not None and name not in defined:
             setattr(wrapper, name, method)
     return wrapper

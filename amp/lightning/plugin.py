@@ -9,6 +9,7 @@ Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before
 """
 
 import contextlib
+import copy
 import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -46,13 +47,17 @@ class AmpPrecisionBehaviour:
         opt_level: "O0", "O1", "O2" (default: a low-precision model stepped through FP32 master
             weights) or "O3".
         dtype: the low-precision type, ``torch.bfloat16`` (default) or ``torch.float16``.
-        log: log ``amp/loss_scale`` and ``amp/skipped_steps`` from the Trainer at every step.
+        log: log ``amp/loss_scale`` and ``amp/skipped_steps`` from the Trainer at the steps it
+            writes its logs (``log_every_n_steps``) and at the last step of each epoch and of the
+            run: only there does the host wait for the device to learn them.
         **initialize_kwargs: any other argument of ``amp.initialize`` (``loss_scale``,
             ``keep_batchnorm_fp32``, ``num_losses``, ``verbosity``, ``fp32_modules``, ...).
 
     ``skipped_steps`` counts the optimizer steps amp skipped after a gradient overflow, and
     ``last_step_skipped`` says whether the latest one was; ``amp.last_overflow()`` says where the
-    overflow came from. Checkpoints carry amp's loss scalers (``state_dict``).
+    overflow came from. A step does not wait for the device to say whether it was skipped: the
+    plugin learns it when the device's answer has reached the host anyway, or when one of these
+    is read (which then waits for it). Checkpoints carry amp's loss scalers (``state_dict``).
     """
 
     def __init__(
@@ -85,15 +90,23 @@ class AmpPrecisionBehaviour:
         self.log = log
         self.initialize_kwargs = dict(initialize_kwargs)
         self.precision = _precision_name(opt_level, dtype)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
-        self._model: Optional[torch.nn.Module] = None  # the module amp.initialize took
+        self._skipped_steps = 0
+        self._last_step_skipped = False
+        # The overflow checks of each step since those whose outcome the plugin read, oldest first
+        self._unlearned: List[Tuple[Any, ...]] = []
+        # id(optimizer) -> (loss_id, losses): the gradients a backward left scaled for the
+        # optimizer's step to unscale (several optimizers, none named: `backward`)
+        self._held: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
+        self._models: List[torch.nn.Module] = []  # the modules amp.initialize took
         self._optimizers: List[torch.optim.Optimizer] = []
+        self._fabric_modules: List[Any] = []  # Fabric's wrappers of them (amp.lightning.setup)
         self._initialized = False
         self._input_dtype: Optional[torch.dtype] = None  # O2/O3: the model's dtype, for batches
         self._trainer_base: Optional[type] = None  # the Trainer's Precision class; None: Fabric
-        self._ddp: Optional[_DDP] = None  # the DDP wrapper, whose no_sync() marks accumulation
-        self._pending_state: Optional[Dict[str, Any]] = None  # loaded before initialize
+        self._ddps: List[_DDP] = []  # the DDP wrappers, whose no_sync() marks accumulation
+        # amp's state while no set-up holds it (loaded before one, or left by the last), in
+        # `state_dict`'s form: what state_dict() returns then, and the next set-up loads.
+        self._kept_state: Optional[Dict[str, Any]] = None
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.initialize_kwargs.items())
@@ -107,25 +120,47 @@ class AmpPrecisionBehaviour:
         """Run amp.initialize on `model` (FP32, on its device, not wrapped) and `optimizers`.
 
         The Trainer calls it through `connect`, `amp.lightning.setup` for Fabric; None as
-        `optimizers` (evaluation) casts the model only.
+        `optimizers` (evaluation) casts the model only. With Fabric a model set up after others
+        joins them: amp.initialize takes every model and optimizer at once, so it runs again with
+        all of them (the earlier ones get their FP32 weights back first), amp's state kept.
         """
-        if self._initialized:
+        optimizers = [flavours.unwrap_optimizer(o) for o in optimizers or []]
+        if not self._initialized:
+            self._set_up([model], optimizers)
+            return
+        if self._trainer_base is not None:
             raise RuntimeError(
-                "AmpPrecision: this plugin already set up a model; amp trains one set-up at a "
-                "time (pass every model and optimizer in one set-up, or tear down first)."
+                "AmpPrecision: this plugin already set up a model for the Trainer; tear down "
+                "first."
             )
-        optimizers = [flavours.unwrap_optimizer(o) for o in optimizers or []] or None
+        self._set_up_again(self._models + [model], self._optimizers + optimizers)
+
+    def _set_up_again(self, models: List[torch.nn.Module], optimizers: List[Any]) -> None:
+        """amp.initialize undone and run again with `models` and `optimizers`, amp's state kept;
+        where that fails, set up again as before, and raise."""
+        earlier = self._models, self._optimizers
+        self._undo()
+        try:
+            self._set_up(models, optimizers)
+        except BaseException:
+            self._set_up(*earlier)
+            raise
+
+    def _set_up(self, models: List[torch.nn.Module], optimizers: List[Any]) -> None:
         amp.initialize(
-            model, optimizers, opt_level=self.opt_level, dtype=self.dtype, **self.initialize_kwargs
+            list(models),
+            list(optimizers) or None,
+            opt_level=self.opt_level,
+            dtype=self.dtype,
+            **self.initialize_kwargs,
         )
         self._initialized = True
-        self._model = model
-        self._optimizers = optimizers or []
+        self._models, self._optimizers = list(models), list(optimizers)
         properties = amp._amp_state.opt_properties  # None where enabled=False
         cast = getattr(properties, "cast_model_type", None)
         self._input_dtype = cast if cast in _LOW_PRECISION else None
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
+        if self._kept_state is not None:
+            state, self._kept_state = self._kept_state, None
             self.load_state_dict(state)
 
     def connect(
@@ -140,7 +175,7 @@ class AmpPrecisionBehaviour:
         self._trainer_base = flavour.precision
         if isinstance(model, _DDP):
             model = _wrap_again(trainer.strategy, module)
-            self._ddp = model
+            self._ddps = [model]
         if fitting:
             optimizers = flavours.lightning_optimizers(flavour, optimizers)
         return model, optimizers, lr_schedulers
@@ -157,10 +192,19 @@ class AmpPrecisionBehaviour:
         )
 
     def teardown(self) -> None:
-        """Undo amp.initialize: the model gets its FP32 weights back (from the masters at O2)."""
+        """Undo amp.initialize: the model gets its FP32 weights back (from the masters at O2).
+        amp's state stays with the plugin, as Lightning's "16-mixed" keeps its GradScaler: a
+        checkpoint saved after ``fit`` carries it, and a later set-up continues from it."""
+        self._undo()
+        self._fabric_modules = []
+
+    def _undo(self) -> None:
+        """amp.deinitialize(), amp's state kept for the next set-up."""
         if self._initialized:
+            self._kept_state = self.state_dict()
             self._initialized = False
-            self._model, self._optimizers, self._ddp = None, [], None
+            self._models, self._optimizers, self._ddps = [], [], []
+            self._held = {}
             amp.deinitialize()
 
     # -- forward -------------------------------------------------------------------------------
@@ -179,7 +223,13 @@ class AmpPrecisionBehaviour:
         return apply_to_collection(data, torch.Tensor, _cast_floating, self._input_dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return data  # amp's forward hook already gave the outputs their dtype (FP32)
+        """Fabric's model outputs in FP32 (torch's default dtype), as from Lightning's mixed
+        plugins: at O2/O3 amp's forward hook made them so already, at O1 the last op ran in
+        `dtype`. float64 stays float64."""
+        from lightning_utilities import apply_to_collection
+
+        default = torch.get_default_dtype()
+        return apply_to_collection(data, torch.Tensor, _cast_low_precision, default)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -189,29 +239,60 @@ class AmpPrecisionBehaviour:
         return self._trainer_base.pre_backward(self, tensor, module)
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        """Backward through ``amp.scale_loss``; on exit the gradients are unscaled and checked.
+        """Backward through ``amp.scale_loss``, tied to the optimizer whose step follows.
 
-        ``loss_id=i`` (e.g. ``self.manual_backward(loss, loss_id=1)``) picks amp's loss scaler.
-        A backward that DDP does not synchronise (gradient accumulation in ``no_sync``) leaves
-        its gradients scaled for the synchronised one to unscale, as amp requires under DDP.
+        The Trainer's automatic optimization names it, and one optimizer set up alone is it: the
+        gradients are unscaled and checked when backward ends. With several and none named
+        (manual optimization, Fabric) the gradients stay scaled, held by the optimizers whose
+        parameters require gradients (``toggle_optimizer`` leaves one), and each optimizer's
+        ``step()`` (or Lightning's gradient clipping before it) unscales and checks its own,
+        as Lightning's "16-mixed" does: an inf in one model's gradients skips its optimizer's
+        step only. ``loss_id=i`` (e.g. ``self.manual_backward(loss, loss_id=1)``) picks amp's
+        loss scaler. A backward that DDP does not synchronise (gradient accumulation in
+        ``no_sync``) leaves its gradients scaled for the synchronised one to unscale, as amp
+        requires under DDP.
         """
         self._require_initialized("backward")
         loss_id = kwargs.pop("loss_id", 0)
         optimizer = None
         if self._trainer_base is not None:  # the Trainer passes the optimizer (None: manual)
             optimizer, args = (args[0] if args else None), args[1:]
-        optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
-        if not optimizers:
+        if not self._optimizers:
             raise RuntimeError(
                 "AmpPrecision.backward: no optimizer was set up with the model, so no gradient "
                 "would be unscaled. Pass the optimizers to amp.lightning.setup / the Trainer."
             )
-        delay = self._ddp is not None and not self._ddp.require_backward_grad_sync
+        delay = any(not ddp.require_backward_grad_sync for ddp in self._ddps)
+        untied = optimizer is None and len(self._optimizers) > 1
+        if not untied:
+            optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
+        else:
+            optimizers = [o for o in self._optimizers if _requires_grad(o)] or self._optimizers
+            delay = True
+            for held in optimizers:  # gradients a zero_grad() dropped take their losses along
+                if not _holds_scaled(held):
+                    self._held.pop(id(held), None)
         with amp.scale_loss(tensor, optimizers, loss_id=loss_id, delay_unscale=delay) as scaled:
             if self._trainer_base is not None:
                 self._trainer_base.backward(self, scaled, model, optimizer, *args, **kwargs)
             else:
                 scaled.backward(*args, **kwargs)
+        if untied:
+            for held in optimizers:
+                losses = self._held.get(id(held), (None, []))[1]
+                self._held[id(held)] = (loss_id, losses + [tensor.detach()])
+
+    def _unscale_held(self, optimizer: Any) -> None:
+        """Unscale and check the gradients `optimizer` holds scaled (a backward not tied to it):
+        an empty scale_loss block of the loss scaler that scaled them, whose losses it checks
+        for inf/NaN; the optimizer's next step decides on it."""
+        held = self._held.pop(id(optimizer), None)
+        if held is None or not _holds_scaled(optimizer):
+            return
+        loss_id, losses = held
+        loss = torch.stack([loss.float().sum() for loss in losses]).sum()  # non-finite if one is
+        with amp.scale_loss(loss, optimizer, loss_id=loss_id):
+            pass
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if self._trainer_base is None:
@@ -243,22 +324,55 @@ class AmpPrecisionBehaviour:
                 "which amp does not support (scale_loss unscales once per backward)."
             )
         closure_result = closure()
+        self._unscale_held(optimizer)  # for on_before_optimizer_step's hooks and the clipping
         self._trainer_base._after_closure(self, model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, so no step (Lightning's rule)
         return self._step(optimizer, model, **kwargs)
 
     def _step(self, optimizer: Any, model: Any, **kwargs: Any) -> Any:
-        before = amp.last_overflow()
+        self._unscale_held(optimizer)
+        checks = _checks_deciding(optimizer)
         output = optimizer.step(**kwargs)
-        # amp.step decides on the host (one sync); a skip leaves a fresh overflow report.
-        self.last_step_skipped = amp.last_overflow() is not before
-        self.skipped_steps += self.last_step_skipped
-        if self.log and self._trainer_base is not None:
-            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+        # Skipped where a check found inf/NaN: read once its copy reaches the host, no wait here.
+        self._unlearned.append(checks)
+        self._learn(wait=False)
+        if self.log and self._trainer_base is not None and _writes_logs_now(model.trainer):
+            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]  # waits for the copies
             model.log("amp/loss_scale", float(scale), on_step=True, on_epoch=False)
             model.log("amp/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
         return output
+
+    @property
+    def skipped_steps(self) -> int:
+        """The optimizer steps amp skipped (waits for the device's answer about the last ones)."""
+        self._learn(wait=True)
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._unlearned = []
+        self._skipped_steps = int(value)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped (waits for the device's answer)."""
+        self._learn(wait=True)
+        return self._last_step_skipped
+
+    def _learn(self, wait: bool) -> None:
+        """Count the skips of the steps whose checks have reached the host (all, waiting for
+        them, if `wait`), in order."""
+        unlearned = self._unlearned
+        learned = 0
+        for checks in unlearned:
+            if not all(check.arrived(wait) for check in checks):
+                break
+            skipped = any(check.found_value for check in checks)
+            self._skipped_steps += skipped
+            self._last_step_skipped = skipped
+            learned += 1
+        del unlearned[:learned]
 
     # -- gradient clipping ---------------------------------------------------------------------
 
@@ -270,32 +384,39 @@ class AmpPrecisionBehaviour:
         return amp.master_params(optimizer)
 
     def unscale_gradients(self, optimizer: Any) -> None:
-        return None  # scale_loss unscaled them when backward ended
+        """Gradients a backward left scaled for `optimizer` are unscaled now (Fabric's
+        clip_gradients); others were unscaled when their backward ended."""
+        self._unscale_held(flavours.unwrap_optimizer(optimizer))
 
     def _clip_gradients(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         self._trainer_base._clip_gradients(self, model, optimizer, *args, **kwargs)
 
     def clip_gradients(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        optimizer = flavours.unwrap_optimizer(optimizer)
+        self._unscale_held(optimizer)  # manual optimization clips before the step
         base = self._trainer_base or flavours.installed()[0].precision
-        base.clip_gradients(self, flavours.unwrap_optimizer(optimizer), *args, **kwargs)
+        base.clip_gradients(self, optimizer, *args, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> Dict[str, Any]:
-        """amp's loss scalers (plain Python values) and the count of skipped steps."""
+        """amp's loss scalers (plain Python values) and the count of skipped steps; between
+        set-ups (after ``fit``) the state the last one left, or one loaded since ({} if none)."""
         if not self._initialized:
-            return {}
+            return copy.deepcopy(self._kept_state) if self._kept_state is not None else {}
         return {"amp": dict(amp.state_dict()), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore what `state_dict` saved (or a bare ``amp.state_dict()``); before set-up it is
-        kept and loaded when amp.initialize has run."""
-        if not self._initialized:
-            self._pending_state = dict(state_dict)
-            return
+        """Restore what `state_dict` saved (or a bare ``amp.state_dict()``); between set-ups it
+        is kept and loaded when amp.initialize has run."""
         amp_state = state_dict.get("amp", state_dict)
-        amp.load_state_dict({k: v for k, v in amp_state.items() if k != "skipped_steps"})
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        amp_state = {k: v for k, v in amp_state.items() if k != "skipped_steps"}
+        skipped = int(state_dict.get("skipped_steps", 0))
+        if not self._initialized:
+            self._kept_state = {"amp": copy.deepcopy(amp_state), "skipped_steps": skipped}
+            return
+        amp.load_state_dict(amp_state)
+        self.skipped_steps = skipped
 
     def _require_initialized(self, caller: str) -> None:
         if not self._initialized:
@@ -309,6 +430,40 @@ def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.dtype is not torch.float64:
         return tensor.to(dtype)
     return tensor
+
+
+def _requires_grad(optimizer: Any) -> bool:
+    return any(p.requires_grad for group in optimizer.param_groups for p in group["params"])
+
+
+def _holds_scaled(optimizer: Any) -> bool:
+    """Whether `optimizer`'s gradients wait scaled to be unscaled (delay_unscale blocks since its
+    last unscaling block; a zero_grad() drops them)."""
+    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
+    return record is not None and record.stash.scaled_by is not None
+
+
+def _checks_deciding(optimizer: Any) -> Tuple[Any, ...]:
+    """The overflow checks (scaling.scaler.Check) the next step of `optimizer` decides on, those
+    of the scale_loss blocks since its last step: amp skips the step where one found inf/NaN.
+    Empty for an optimizer amp does not step, or for a loss scale that never skips."""
+    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
+    return tuple(record.pending) if record is not None else ()
+
+
+def _writes_logs_now(trainer: Any) -> bool:
+    """Whether this optimizer step is one the Trainer writes its logs at (``log_every_n_steps``),
+    or the last of its epoch or of the run."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None or connector.should_update_logs:
+        return True
+    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        return True
+    return 0 <= trainer.max_steps <= trainer.global_step + 1
+
+
+def _cast_low_precision(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.dtype in _LOW_PRECISION else tensor
 
 
 def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:

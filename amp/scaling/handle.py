@@ -186,8 +186,9 @@ class _ScaleLoss:
                 found = check.found
             else:
                 found = scaler.scratch_flag(device)  # static scales never skip
+            unscaled = set() if len(records) > 1 else None  # shared parameters: once
             for record in records:
-                record.close_block(found, check)
+                record.close_block(found, check, unscaled)
             if not delay_unscale and not scaler.dynamic:
                 scaler.count_pass()  # apex's static `_unskipped` (amp._amp_state)
             if checked:

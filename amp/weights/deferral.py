@@ -42,9 +42,10 @@ class Deferred:
 class Deferral:
     """The deferred master gradients of one optimizer: `kept` is a Deferred while there are."""
 
-    def __init__(self):
+    def __init__(self, base=torch.nn.Parameter):
         self.kept = None
-        self._class = _deferring_class(self)
+        self.base = base  # the masters' own class (masters.HollowMaster for compact ones)
+        self._class = _deferring_class(self, base)
 
     def defer(self, models, masters, grads, inv_scale, found_inf):
         """scale_loss's exit: check the gradients (found_inf) and keep them with the inverse
@@ -58,8 +59,7 @@ class Deferral:
         masters are plain Parameters again."""
         kept, self.kept = self.kept, None
         if kept is not None:
-            plain = repeat(torch.nn.Parameter)
-            consume(map(setattr, kept.masters, repeat("__class__"), plain))
+            consume(map(setattr, kept.masters, repeat("__class__"), repeat(self.base)))
         return kept
 
     def materialize(self):
@@ -72,9 +72,9 @@ class Deferral:
         consume(map(setattr, kept.masters, repeat("grad"), fresh))
 
 
-def _deferring_class(deferral):
-    """The class a master wears while its gradient is kept (one per optimizer): any access to
-    its `.grad` materializes the kept gradients first."""
+def _deferring_class(deferral, base):
+    """The class a master wears while its gradient is kept (one per optimizer, a subclass of the
+    masters' own `base`): any access to its `.grad` materializes the kept gradients first."""
 
     def made(param):
         if deferral.kept is not None:
@@ -87,16 +87,11 @@ def _deferring_class(deferral):
         lambda param: _TENSOR_GRAD.__delete__(made(param)),
         doc=_TENSOR_GRAD.__doc__,
     )
-    return type(
-        "DeferredGradParameter",
-        (torch.nn.Parameter,),
-        {"grad": grad, "__deepcopy__": _plain_deepcopy},
-    )
+    def deepcopy(param, memo):
+        """A copy of a master made while its gradient is kept is of the masters' own class (this
+        one belongs to the optimizer's deferral, not to the copy)."""
+        copied = base.__deepcopy__(param, memo)
+        copied.__class__ = base
+        return copied
 
-
-def _plain_deepcopy(param, memo):
-    """A copy of a master made while its gradient is kept is a plain Parameter (the class
-    belongs to this optimizer's deferral, not to the copy)."""
-    copied = torch.nn.Parameter.__deepcopy__(param, memo)
-    copied.__class__ = torch.nn.Parameter
-    return copied
+    return type("DeferredGradParameter", (base,), {"grad": grad, "__deepcopy__": deepcopy})

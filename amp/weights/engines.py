@@ -62,6 +62,13 @@ def check_engines(models, optimizers, properties):
     if zero is None or not properties.master_weights:
         return
     for index, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, zero) and properties.compact:
+            raise RuntimeError(
+                f"amp.initialize: optimizers[{index}] is a ZeroRedundancyOptimizer, whose local "
+                "optimizer steps its share of the parameters with its own step; compact state "
+                "(master_weights='compact', optimizer_state other than 'fp32') is kept by amp's "
+                "fused step only. Use master_weights=True with optimizer_state='fp32' under ZeRO."
+            )
         if isinstance(optimizer, zero) and (
             optimizer.parameters_as_bucket_view or optimizer._overlap_with_ddp
         ):
@@ -195,8 +202,11 @@ def _with_masters(original):
             table, row = find(param, amp_state.tables)
             if table is not None:
                 rows.append((table, row))
-        if rows:
-            masters = [table.masters[row].detach() for table, row in rows]
+        if rows:  # a compact row's value is its (broadcast) weight and its correction
+            masters = [
+                (table.corrections if table.compact else table.masters)[row].detach()
+                for table, row in rows
+            ]
             torch.distributed._broadcast_coalesced(
                 process_group, masters, broadcast_bucket_size, src
             )

@@ -31,14 +31,18 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .. import kernels
+from . import compact_state
 from .columns import GRAD, IS_SPARSE, NONES
 
-__all__ = ["FUSED_STEP_ENV", "FusedStep"]
+__all__ = ["FUSED_STEP_ENV", "check_covered", "FusedStep"]
 
 FUSED_STEP_ENV = "AMP_FUSED_STEP"  # "0" at amp.initialize: every O2 step is the optimizer's own
 
 _EXP_AVG, _EXP_AVG_SQ, _STEP = map(operator.itemgetter, ("exp_avg", "exp_avg_sq", "step"))
 _BUFFER = operator.itemgetter("momentum_buffer")
+
+
+_CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
 def _kind(optimizer, step):
@@ -95,22 +99,57 @@ _STATELESS = object()  # FusedStep._call: a row's state is not made yet
 NO_ROW = itertools.repeat(-1)  # dict.get's default for a parameter that is no master
 
 
+def check_covered(optimizer, where, what):
+    """Raise a ValueError naming what is not covered unless the fused step steps `optimizer`
+    entirely (`what`: the option that needs it, which has no other step). Changes nothing."""
+    kind = _kind(optimizer, optimizer.step)
+    reason = None
+    if os.environ.get(FUSED_STEP_ENV, "1") == "0":
+        reason = f"{FUSED_STEP_ENV}=0 turns the fused step off"
+    elif kind is None:
+        reason = f"it is a {type(optimizer).__name__}" + (
+            " whose step is wrapped" if type(optimizer) in _CLASSES else ""
+        )
+    else:
+        for index, group in enumerate(optimizer.param_groups):
+            if _OPTIONS[kind](group) is None:
+                reason = (
+                    f"param_groups[{index}] asks for what it does not compute (amsgrad, maximize, "
+                    "capturable, differentiable, or a tensor hyperparameter)"
+                )
+                break
+    if reason is not None:
+        raise ValueError(
+            f"amp.initialize: {what} is kept by amp's fused master step, which steps "
+            "torch.optim.AdamW, Adam and SGD (without amsgrad, maximize, capturable or "
+            f"differentiable, with float hyperparameters); {where}: {reason}. Use one of those, "
+            "or master_weights=True with optimizer_state='fp32'."
+        )
+
+
 class FusedStep:
     """The fused master step of one optimizer (O2): `kind` is "adam", "sgd" or None (never)."""
 
-    def __init__(self, optimizer, step):
+    def __init__(self, optimizer, step, compact=False, state="fp32"):
         self.kind = _kind(optimizer, step)
         # The last plan found no state to step (the optimizer's own step makes it): the next
         # step may well be fused.
         self.stateless = False
+        # How it keeps compact state (compact_state.py), or None: torch's FP32 format, made by
+        # the optimizer's own first step
+        self.form = None
+        if self.kind is not None and (compact or state != "fp32"):
+            self.form = compact_state.Form(self.kind, compact, state)
+            self.what = "master_weights='compact'" if compact else f"optimizer_state={state!r}"
 
     @classmethod
-    def made_for(cls, optimizer, step):
+    def made_for(cls, optimizer, step, compact=False, state="fp32"):
         """The fused master step for an optimizer with masters whose step is `step`, or None
-        (not torch's AdamW, Adam or SGD step, or AMP_FUSED_STEP=0)."""
+        (not torch's AdamW, Adam or SGD step, or AMP_FUSED_STEP=0; check_covered refuses those
+        for compact state at initialize)."""
         if os.environ.get(FUSED_STEP_ENV, "1") == "0":
             return None
-        fused = cls(optimizer, step)
+        fused = cls(optimizer, step, compact, state)
         return fused if fused.kind is not None else None
 
     def plan(self, optimizer, table, deferred):
@@ -120,6 +159,8 @@ class FusedStep:
         low precision, else their `.grad` are read. Constant Python calls per group."""
         self.stateless = False
         options_of = _OPTIONS[self.kind]
+        if self.form is not None:  # compact state: no other step, made here at the first
+            return compact_state.plan(self.form, optimizer, table, deferred, options_of, self.what)
         state = optimizer.state
         rows_of, low = table.master_index, [*table.models, None]  # low[-1]: no master row
         calls = []
@@ -186,6 +227,9 @@ class FusedStep:
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
+            if self.form is not None:
+                compact_state.launch(self.form, calls, found_inf)
+                return
             for options, grads, params, models, tensors, inv_scale, states in calls:
                 if states is not None:  # torch's CPU step counts: moved once (_state)
                     tensors = (*tensors[:2], _steps_on(params, states))

@@ -249,13 +249,41 @@ def _unscale_model_grads(table, inv_scale, found_inf, into_masters, handed, plai
         kernels.unscale_(plain, inv_scale, found_inf)
         deferral.defer(models, masters, grads, inv_scale, found_inf)
         return
-    # One launch per dtype group (per launch-sized run of tensors with the CuPy kernels).
-    fresh = list(map(torch.empty_like, masters))
-    kernels.unscale_to_(grads, fresh, inv_scale, found_inf, check=False, also=plain)
-    if into_masters:
-        consume(map(setattr, masters, repeat("grad"), fresh))
-    else:
-        handed.extend(zip(models, fresh))
+    # One launch per dtype group and piece (per launch-sized run of tensors with the CuPy
+    # kernels); each piece's low-precision gradients are let go before the next is made.
+    for start, stop in _pieces(masters):
+        fresh = list(map(torch.empty_like, masters[start:stop]))
+        kernels.unscale_to_(grads[start:stop], fresh, inv_scale, found_inf, check=False, also=plain)
+        grads[start:stop] = [None] * (stop - start)
+        plain = ()
+        if into_masters:
+            consume(map(setattr, masters[start:stop], repeat("grad"), fresh))
+        else:
+            handed.extend(zip(models[start:stop], fresh))
+
+
+# FP32 gradients made from low-precision ones at once: a quarter of them. All at once, the model's
+# gradients and all the new ones are held together (6 bytes a parameter with bf16, the step's
+# peak); in quarters, the peak is 4.5 bytes over what the masters hold.
+_PIECES = 4
+_WHOLE = 1 << 22  # elements: up to this, one piece (one launch, as a hand-written O2 makes)
+
+
+def _pieces(masters):
+    """(start, stop) runs of `masters` of about 1/_PIECES of their elements each."""
+    numels = list(map(torch.Tensor.numel, masters))
+    total = sum(numels)
+    if total <= _WHOLE:
+        return [(0, len(masters))]
+    bound, runs, start, size = total / _PIECES, [], 0, 0
+    for index, numel in enumerate(numels):
+        size += numel
+        if size >= bound:
+            runs.append((start, index + 1))
+            start, size = index + 1, 0
+    if start < len(numels):
+        runs.append((start, len(numels)))
+    return runs
 
 
 def _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed):

@@ -31,8 +31,9 @@ def takes_found_inf(optimizer):
     return "grad_scaler" not in inspect.signature(optimizer.step).parameters
 
 
-def instrument(optimizer, params_with_masters, ledger):
-    """Set `optimizer` up for amp: FP32 masters for `params_with_masters` (ids), patched methods.
+def instrument(optimizer, params_with_masters, ledger, compact=False, state="fp32"):
+    """Set `optimizer` up for amp: masters for `params_with_masters` (ids; FP32, or `compact`),
+    patched methods, its moments kept as `state` says (compact_state.py).
 
     Must run before the model is cast, so the masters are the exact FP32 weights.
     """
@@ -41,16 +42,19 @@ def instrument(optimizer, params_with_masters, ledger):
         "optimizer state in the parameters' dtype",
         lambda: masters.match_state_to_params(optimizer),
     )
-    table = ParamTable()
+    table = ParamTable(compact=compact)
     for group in optimizer.param_groups:
         for index, param in enumerate(group["params"]):
             if id(param) in params_with_masters:
-                master = masters.new_master(param)
+                if compact:
+                    master, correction = masters.compact_master(param)
+                else:
+                    master, correction = masters.new_master(param), None
                 param.grad = None
                 group["params"][index] = master
                 if param in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(param)
-                table.add_master(param, master)
+                table.add_master(param, master, correction)
     hooked = optimizer_state.takes_hooks(optimizer)
     originals = {
         name: getattr(optimizer, name)
@@ -61,8 +65,11 @@ def instrument(optimizer, params_with_masters, ledger):
     }
     fused = deferral = None
     if table.models:
-        fused = FusedStep.made_for(optimizer, originals["step"])
-        if fused is not None and kernels.fuses(table.masters[0].device):
+        fused = FusedStep.made_for(optimizer, originals["step"], compact, state)
+        if fused is not None and fused.form is not None:  # compact state: kept low, any backend
+            deferral = Deferral(type(table.masters[0]))
+            _state_in_form(optimizer, fused.form, ledger)
+        elif fused is not None and kernels.fuses(table.masters[0].device):
             deferral = Deferral()
     record = OptimizerRecord(
         optimizer, originals, table, fused, deferral, takes_found_inf(optimizer)
@@ -73,7 +80,8 @@ def instrument(optimizer, params_with_masters, ledger):
         engines.follow_masters(optimizer, list(zip(table.models, table.masters)), ledger)
     amp_state.tables.append(table)
     if hooked:
-        for handle in optimizer_state.StateDictHooks(table).register(optimizer):
+        record.state_hooks = optimizer_state.StateDictHooks(table, fused)
+        for handle in record.state_hooks.register(optimizer):
             ledger.add_hook(handle, "optimizer state dict hook")
     for name in originals:
         ledger.patch(
@@ -82,3 +90,14 @@ def instrument(optimizer, params_with_masters, ledger):
     vars(optimizer)["_amp_record"] = record
     ledger.add_undo("forget the optimizer", lambda: vars(optimizer).pop("_amp_record", None))
     return record
+
+
+def _state_in_form(optimizer, form, ledger):
+    """State the optimizer holds already (a load before initialize) in `form`; torch's FP32
+    format again at deinitialize (which runs this undo after the masters went back)."""
+    state = optimizer.state
+    ledger.add_undo(
+        "optimizer state in torch's format",
+        lambda: state.update({key: form.to_torch(entry) for key, entry in state.items()}),
+    )
+    state.update({key: form.from_torch(entry) for key, entry in state.items()})

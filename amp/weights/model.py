@@ -15,7 +15,7 @@ from ..casting import fp32_modules
 from ..casting.cast_tree import CastInputs, CastOutputs
 from ..casting.casts import LOW_PRECISION
 from .buffers import BufferTable, held_exactly
-from .masters import frozen_table, new_master
+from .masters import compact_master, frozen_table, new_master
 from .model_state import FP32StateDict, LoadIntoCopies, MarkLoaded, ModelCopies, SyncBeforeForward
 from .table import find
 
@@ -98,13 +98,13 @@ def _modules_to_cast(model, keep_batchnorm_fp32):
             yield module
 
 
-def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
+def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger, compact=False):
     """Cast the FP32 parameters and buffers of `model` to `dtype` (batch norm kept FP32 if asked).
 
     Parameters keep their identity (their `.data` is swapped). Each cast parameter keeps its FP32
     value when `keep_fp32_params` (O2): its master if an optimizer steps it, else an FP32 copy in
     the table of frozen parameters (masters.frozen_table), so that frozen parameters keep their
-    FP32 values too. Each cast buffer keeps its FP32 original in the model's buffer table
+    FP32 values too (`compact`: a correction of the weight's rounding, no FP32 copy). Each cast buffer keeps its FP32 original in the model's buffer table
     (buffers.py; release_exact releases the exact ones once initialize succeeded). Undo puts the
     FP32 values back (O3 parameters, which have none, come back upcast). Returns the model's
     ModelCopies (model_state.py).
@@ -114,8 +114,9 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
         frozen = None
         for param in params:
             if find(param, amp_state.tables)[0] is None:
-                frozen = frozen or frozen_table()
-                frozen.add_master(param, new_master(param))
+                frozen = frozen or frozen_table(compact)
+                made = compact_master(param) if compact else (new_master(param), None)
+                frozen.add_master(param, *made)
     buffers, lows = BufferTable(), []
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, buffer in module._buffers.items():
@@ -130,7 +131,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger):
             for param in params:
                 if param.dtype is not torch.float32:
                     table, row = find(param, copies.tables)
-                    param.data = table.masters[row].data if table else param.data.float()
+                    param.data = table.value(row).data if table else param.data.float()
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
             for row, (module, name) in enumerate(buffers.places):

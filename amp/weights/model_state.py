@@ -1,10 +1,11 @@
 """FP32 state dicts of a cast model at O2/O3: live FP32 values behind the low-precision tensors.
 
 At O2 every cast parameter has an FP32 value in a table (table.py): its master when an optimizer
-steps it, an FP32 copy in the table of frozen parameters when none does. At O2/O3 every cast
-floating buffer keeps its FP32 original in the model's buffer table (buffers.py). O3 keeps no
-FP32 copy of its parameters: `state_dict()` makes one, kept until the next forward has taken
-what was written into it. `model.state_dict()` returns the FP32 tensors themselves, so that code
+steps it, an FP32 copy in the table of frozen parameters when none does (or, with compact
+masters, the weight and its correction, decoded for a state dict). At O2/O3 every cast floating
+buffer keeps its FP32 original in the model's buffer table (buffers.py). O3 keeps no FP32 copy
+of its parameters, and compact masters hold none: `state_dict()` makes one (`Handed`), kept
+until the next forward has taken what was written into it. `model.state_dict()` returns the FP32 tensors themselves, so that code
 which updates a model in place through its state dict (timm's ModelEmaV2/V3 on a
 `copy.deepcopy` of the model) changes what the model computes with: a write into an FP32 value
 is copied into the low-precision tensor before the next forward, and a write into the
@@ -32,6 +33,7 @@ from .table import find
 
 __all__ = [
     "ModelCopies",
+    "Handed",
     "SyncBeforeForward",
     "FP32StateDict",
     "LoadIntoCopies",
@@ -49,7 +51,7 @@ class ModelCopies:
     def __init__(self, tables, buffers):
         self.tables = tables  # the optimizers' tables and the frozen parameters' table
         self.buffers = buffers  # BufferTable of the model's cast buffers
-        self.handed = None  # BufferTable of O3's parameters, from a state dict to the next forward
+        self.handed = None  # Handed: FP32 values a state dict made, kept to the next forward
         self.hooked = set()  # the modules amp registered the hooks on
         self.lent = False  # a state dict handed out FP32 tensors: they may be written any time
 
@@ -89,6 +91,26 @@ class SyncBeforeForward:
             copies.handed = None
 
 
+class Handed(BufferTable):
+    """The FP32 values a state dict made of parameters that hold none (O3's; compact masters'),
+    kept until the next forward has taken what was written into them: into the parameter (O3),
+    or into a compact row's weight and correction (`owners`: row -> (table, its row))."""
+
+    def __init__(self):
+        super().__init__("_parameters")
+        self.owners = {}
+
+    def sync_row(self, row):
+        owner = self.owners.get(row)
+        if owner is None:
+            super().sync_row(row)
+            return
+        if self.masters[row]._version != self.master_versions[row]:
+            table, table_row = owner
+            table.set_value(table_row, self.masters[row])
+        self.mark_place(row)
+
+
 class FP32StateDict:
     """State-dict post-hook: the low-precision entries of a module as their FP32 values."""
 
@@ -119,17 +141,22 @@ class FP32StateDict:
         copies = self.copies
         copies.lent = True
         table, row = find(param, copies.tables)
-        if table is not None:
+        if table is not None and not table.compact:
             table.sync_row(row)
             return table.masters[row].detach()  # shares the version counter: writes show
         handed = copies.handed
         if handed is None:
-            handed = copies.handed = BufferTable("_parameters")
-        row = handed.rows.get(owner, {}).get(name)
-        if row is None or handed.current(row) is not param:
-            row = handed.add(owner, name, param.detach().float())
-        handed.sync_row(row)
-        return handed.masters[row].detach()
+            handed = copies.handed = Handed()
+        made = handed.rows.get(owner, {}).get(name)
+        if made is None or handed.current(made) is not param:
+            if table is not None:  # a compact row: its value, written back by set_value
+                table.sync_row(row)
+                made = handed.add(owner, name, table.value(row))
+                handed.owners[made] = (table, row)
+            else:  # O3
+                made = handed.add(owner, name, param.detach().float())
+        handed.sync_row(made)
+        return handed.masters[made].detach()
 
 
 def _low(value, tensor):
@@ -154,7 +181,11 @@ class LoadIntoCopies:
                     table, row = find(param, copies.tables)
                     if table is not None:
                         table.sync_row(row)  # a write not yet taken over is not lost to a load
-                        _load(table.masters[row], state_dict.get(owner_prefix + name))
+                        value = state_dict.get(owner_prefix + name)
+                        if table.compact and _fits(value, param):
+                            table.set_value(row, value)
+                        elif not table.compact:
+                            _load(table.masters[row], value)
                 for name, row in buffers.rows.get(owner, {}).items():
                     buffers.sync_row(row)
                     value = state_dict.get(owner_prefix + name)
@@ -173,8 +204,12 @@ def _held_exactly(value, low):
     )
 
 
+def _fits(value, tensor):
+    return isinstance(value, torch.Tensor) and value.shape == tensor.shape
+
+
 def _load(fp32, value):
-    if isinstance(value, torch.Tensor) and value.shape == fp32.shape:
+    if _fits(value, fp32):
         fp32.copy_(value)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .. import distributed
 from .._state import amp_state
+from ..properties import COMPACT
 from ..apex_interop.optimizer_wrappers import wrapped_optimizers
 from . import engines, masters, optimizer_state
 from .columns import GRAD, NONES, consume, repeat
@@ -55,6 +56,7 @@ class OptimizerRecord:
         self.defers = False
         self.found_inf_on_device = found_inf_on_device  # its step takes the overflow flag
         self.inner = wrapped_optimizers(optimizer)  # the torch optimizers a wrapper holds
+        self.state_hooks = None  # optimizer_state.StateDictHooks where torch's hooks run
         # zero_grad(set_to_none=False) was called: a step keeps the master gradients (zeroed by
         # the next zero_grad), as torch keeps `.grad`, so that a parameter unused in a step is
         # still stepped with its zero gradient (momentum, moments, weight decay)
@@ -80,10 +82,15 @@ class OptimizerRecord:
         stash.enter(scaler, delay_unscale, inv_scale, identity, holders)
         return None
 
-    def close_block(self, found_inf, check):
+    def close_block(self, found_inf, check, unscaled=None):
         """The block exited normally: its gradients unscaled and checked into `found_inf`;
-        `check` (or None, unchecked) decides whether the next step is skipped."""
+        `check` (or None, unchecked) decides whether the next step is skipped. `unscaled`: ids of
+        parameters another optimizer of the same block unscaled already (they may share them
+        without master weights), to which this one adds its own."""
         plain = self.table.plain_params(self.optimizer.param_groups)
+        if unscaled is not None:
+            plain = [param for param in plain if id(param) not in unscaled]
+            unscaled.update(map(id, plain))
         self.stash.commit(found_inf, plain, self.deferral if self.defers else None)
         if check is not None:
             self.pending.append(check)
@@ -236,9 +243,11 @@ class OptimizerRecord:
     def load_state_dict(self, state_dict):
         """Where they run no torch hooks: the masters checked, the optimizer's own load, the
         masters written."""
-        state_dict, pending = optimizer_state.loading(self.optimizer, self.table, state_dict)
+        state_dict, pending = optimizer_state.loading(
+            self.optimizer, self.table, state_dict, self.fused
+        )
         self.originals["load_state_dict"](state_dict)
-        optimizer_state.loaded(self.table, *pending)
+        optimizer_state.loaded(self.optimizer, self.table, *pending)
 
     def zero_grad(self, *args, **kwargs):
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
@@ -281,22 +290,30 @@ class OptimizerRecord:
             )
         else:
             params = list(params) if params is not None else params
-        new_pairs = []
-        if amp_state.properties.master_weights:
+        new_rows = []
+        properties = amp_state.properties
+        if properties.master_weights:
             for i, param in enumerate(params or ()):
                 if id(param) in amp_state.cast_params:
-                    master = masters.master_for(param)
-                    if master is None:  # an optimizer steps it already, through its master
+                    made = masters.master_for(param, self.table.compact)
+                    if made is None:  # an optimizer steps it already, through its master
                         raise ValueError(self._stepped_already(param))
-                    new_pairs.append((param, master))
-                    params[i] = master
+                    new_rows.append((param, *made))
+                    params[i] = made[0]
         group = dict(param_group, params=params)
         self.originals["add_param_group"](group)
-        for param, master in new_pairs:
+        for param, master, correction in new_rows:
             master.requires_grad_(param.requires_grad)
-            masters.join(self.table, param, master)
-        if new_pairs and self.fused is None:
-            self.fused = FusedStep.made_for(self.optimizer, self.originals["step"])
+            masters.join(self.table, param, master, correction)
+        if new_rows and self.fused is None:
+            self.fused = FusedStep.made_for(
+                self.optimizer,
+                self.originals["step"],
+                properties.master_weights == COMPACT,
+                properties.optimizer_state,
+            )
+            if self.state_hooks is not None:
+                self.state_hooks.fused = self.fused
         self.table.forget_groups()
         engines.anchor([self], amp_state.models)
 

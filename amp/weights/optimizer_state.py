@@ -10,6 +10,7 @@ import torch
 
 from .. import kernels
 from .._state import amp_state
+from .compact_state import Form
 from .masters import master_indices
 from .snapshot import OptimizerSnapshot
 
@@ -39,10 +40,10 @@ def takes_hooks(optimizer):
 
 class StateDictHooks:
     """torch's state-dict hooks of one optimizer (`register` below): the masters of `table` in
-    its state dicts."""
+    its state dicts, its state in `fused`'s form (fused_step.FusedStep, or None)."""
 
-    def __init__(self, table):
-        self.table = table
+    def __init__(self, table, fused):
+        self.table, self.fused = table, fused
         self.pending = None  # (masters to write, the state before) between the load's hooks
 
     def register(self, optimizer):
@@ -57,62 +58,99 @@ class StateDictHooks:
         return saved(optimizer, self.table, state)
 
     def loading(self, optimizer, state_dict):
-        state_dict, self.pending = loading(optimizer, self.table, state_dict)
+        state_dict, self.pending = loading(optimizer, self.table, state_dict, self.fused)
         return state_dict
 
     def loaded(self, optimizer):
         pending, self.pending = self.pending, None
-        loaded(self.table, *pending)
+        loaded(optimizer, self.table, *pending)
 
 
 def saved(optimizer, table, state):
-    """The optimizer's own state dict `state`, with the masters of `table`."""
+    """The optimizer's own state dict `state`, with the masters of `table`: FP32, or compact
+    masters' int8 corrections (compact on disk: the weights are the model's)."""
     if table.models:
         # A write into the model since the last step (a mask, a broadcast) is the masters' value
         # from then on; a checkpoint serialized before anything else looked must hold it.
         table.take_outside_writes()
+        held = table.corrections if table.compact else table.masters
         state[MASTER_PARAMS_KEY] = {
-            index: master.detach()
-            for index, (_, master) in master_indices(optimizer.param_groups, table).items()
+            index: held[row].detach()
+            for index, (row, _) in master_indices(optimizer.param_groups, table).items()
         }
     return state
 
 
-def loading(optimizer, table, state_dict):
-    """Before the optimizer's own load: (the state dict without the masters, (the masters to
-    write after it, the optimizer's state before)), or a clear error, changing nothing.
+def _form(fused):
+    """The form the optimizer's state is kept in: the fused step's, torch's FP32 one for a step
+    it knows (a checkpoint of compact state converts), or None."""
+    if fused is None:
+        return None
+    return fused.form if fused.form is not None else Form(fused.kind, False, "fp32")
+
+
+def loading(optimizer, table, state_dict, fused=None):
+    """Before the optimizer's own load: (the state dict without the masters, its state entries
+    in this run's form, (the masters to write after it, the optimizer's state before)), or a
+    clear error, changing nothing.
 
     A checkpoint without the masters key (a plain FP32 one) loads: the masters keep the values
     they have (the model's, after `model.load_state_dict`). With the key, it must hold a master
-    for every master here: a partial set would leave some at values from another run.
+    for every master here: a partial set would leave some at values from another run. FP32
+    masters load into compact ones (encoded) and compact ones into FP32 ones (decoded with the
+    model's weights: load the model first), as state of either form does.
     """
     plan = []
     if hasattr(state_dict, "get") and MASTER_PARAMS_KEY in state_dict:
         plan = check_masters(optimizer, table, state_dict[MASTER_PARAMS_KEY])
         state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
-    return state_dict, (plan, OptimizerSnapshot(optimizer))
+    form = _form(fused)
+    if form is not None and isinstance(state_dict.get("state"), dict):
+        entries = state_dict["state"].items()
+        state_dict = dict(state_dict, state={k: form.from_torch(v) for k, v in entries})
+    return state_dict, (plan, OptimizerSnapshot(optimizer), form)
 
 
-def loaded(table, plan, before):
+def loaded(optimizer, table, plan, before, form=None):
     """After the optimizer's own load: the masters written (on an error the optimizer's state
-    before comes back) and marked, with the model's weights."""
+    before comes back) and marked, with the model's weights; the moments in their form's dtypes
+    again (torch's load casts every state tensor to its parameter's dtype)."""
     if plan:
         try:
             with torch.no_grad():
-                for value, _, master in plan:
-                    master.copy_(value)
+                for value, row in plan:
+                    _write_master(table, row, value)
         except BaseException:  # what check_masters could not foresee: the old state stays
             before.restore()
             raise
-        with torch.no_grad():
-            kernels.copy_([m for _, _, m in plan], [p for _, p, _ in plan])
+        if not table.compact:
+            with torch.no_grad():
+                rows = [row for _, row in plan]
+                models = [table.models[row] for row in rows]
+                kernels.copy_([table.masters[row] for row in rows], models)
         table.mark()
+    if form is not None and form.state != "fp32":
+        for entry in optimizer.state.values():
+            form.dtypes_restored(entry)
     table.forget_groups()
     amp_state.cast_cache.clear()
 
 
+def _write_master(table, row, value):
+    """A checkpoint's master into `row`: FP32 values, or a compact master's int8 correction."""
+    compact_value = value.dtype is torch.int8
+    if table.compact and compact_value:
+        table.corrections[row].copy_(value)
+    elif table.compact:
+        table.set_value(row, value)
+    elif compact_value:
+        table.masters[row].copy_(kernels.compact_decode(table.models[row].detach(), value))
+    else:
+        table.masters[row].copy_(value)
+
+
 def check_masters(optimizer, table, masters):
-    """[(value, model param, master)] to copy, or a clear error; changes nothing."""
+    """[(value, table row)] to write, or a clear error; changes nothing."""
     here = master_indices(optimizer.param_groups, table)
     if not isinstance(masters, dict):
         raise TypeError(
@@ -128,15 +166,18 @@ def check_masters(optimizer, table, masters):
                 f"parameter {index!r}, which is not an O2 master here (this optimizer has "
                 f"masters for {sorted(here)}). Load it into an optimizer set up the same way."
             )
-        model_param, master = here[index]
+        row, master = here[index]
         if not isinstance(value, torch.Tensor) or value.shape != master.shape:
             raise ValueError(
                 f"optimizer.load_state_dict: master weight {index} has shape "
                 f"{getattr(value, 'shape', type(value).__name__)}, expected "
                 f"{tuple(master.shape)}."
             )
-        if not value.is_floating_point():
-            raise ValueError(f"optimizer.load_state_dict: master weight {index} is not floating.")
+        if not (value.is_floating_point() or value.dtype is torch.int8):
+            raise ValueError(
+                f"optimizer.load_state_dict: master weight {index} is {value.dtype}: neither "
+                "floating (an FP32 master) nor int8 (a compact master's correction)."
+            )
         if value.layout is not torch.strided or value.is_meta:
             # Caught here, before torch's load replaces the state: copy_ would fail after it.
             kind = "a meta tensor (no data)" if value.is_meta else f"a {value.layout} tensor"
@@ -144,7 +185,7 @@ def check_masters(optimizer, table, masters):
                 f"optimizer.load_state_dict: master weight {index} is {kind}; the FP32 master "
                 "weights load from dense tensors with data (as optimizer.state_dict() saves them)."
             )
-        plan.append((value, model_param, master))
+        plan.append((value, row))
     missing = sorted(set(here) - set(masters))
     if missing:
         raise ValueError(

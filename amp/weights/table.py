@@ -33,12 +33,18 @@ from .. import distributed, kernels
 from ..casting.casts import LOW_PRECISION
 from .columns import NONES, consume, repeat
 
-__all__ = ["Rows", "ParamTable", "find"]
+__all__ = ["Rows", "ParamTable", "find", "hollow"]
 
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
 _DATA = torch.Tensor.data_ptr
 _PARAMS = operator.itemgetter("params")
+
+
+def hollow(shape, device):
+    """A float32 tensor of `shape` holding no values: one NaN seen at every index (a read of a
+    compact row's master shows as NaN, never as a plausible weight)."""
+    return torch.full((), float("nan"), device=device).expand(shape)
 
 
 def find(param, tables):
@@ -188,9 +194,13 @@ class Rows:
 class ParamTable(Rows):
     """The rows of one optimizer (or of the frozen parameters of one initialize)."""
 
-    def __init__(self, frozen=False):
+    def __init__(self, frozen=False, compact=False):
         super().__init__()
         self.frozen = frozen  # the cast parameters no optimizer steps
+        # master_weights="compact": each master is hollow (masters.hollow), the row's value its
+        # bf16 weight and int8 correction (kernels.compact_encode's), kept here
+        self.compact = compact
+        self.corrections = []
         self.params, self.dicts, self.names, self.qualified = [], [], [], []
         self.qualified_of = {}  # id(parameter as the model holds it) -> its qualified name
         self.index = {}  # id(model parameter) -> its master row
@@ -258,15 +268,19 @@ class ParamTable(Rows):
 
     # -- master rows -------------------------------------------------------------------------
 
-    def add_master(self, model_param, master):
-        """A master row: amp has just made `master` from `model_param` (they agree)."""
+    def add_master(self, model_param, master, correction=None):
+        """A master row: amp has just made `master` from `model_param` (they agree; a compact
+        row's value is `model_param` with `correction`)."""
         row = self._append(model_param, master)
         self.index[id(model_param)] = self.master_index[id(master)] = row
+        if self.compact:
+            self.corrections.append(correction)
 
     def pop_master(self, model_param):
-        """Remove the master row of `model_param`; returns its master."""
+        """Remove the master row of `model_param`; returns (its master, its correction)."""
         row = self.index.pop(id(model_param))
         master = self.masters[row]
+        correction = self.corrections.pop(row) if self.compact else None
         for column in (
             self.models,
             self.masters,
@@ -277,11 +291,49 @@ class ParamTable(Rows):
         ):
             del column[row]
         self._index()
-        return master
+        return master, correction
 
     def clear_masters(self):
         Rows.__init__(self)
+        self.corrections = []
         self._index()
+
+    # -- a row's FP32 value ----------------------------------------------------------------
+
+    def value(self, row):
+        """The row's FP32 value: its master, or a compact row's decoded (a new tensor)."""
+        if not self.compact:
+            return self.masters[row]
+        return kernels.compact_decode(self.models[row].detach(), self.corrections[row])
+
+    def set_value(self, row, fp32):
+        """Make `fp32` the row's value (a load; a write into a state dict's FP32 tensor), and the
+        model's weight its rounding: amp's own write."""
+        with torch.no_grad():
+            if self.compact:
+                low, correction = kernels.compact_encode(fp32.detach().float())
+                self.models[row].copy_(low)
+                self.corrections[row].copy_(correction)
+            else:
+                self.masters[row].copy_(fp32)
+                self.models[row].copy_(self.masters[row])
+        self.mark_row(row)
+
+    def sync_row(self, row):
+        """Copy a write made since the row's mark across; the FP32 side wins a conflict. A
+        compact row's value is the weight a write from outside left (its correction goes)."""
+        if not self.compact:
+            super().sync_row(row)
+            return
+        if not self.written(row):
+            return
+        model = self.models[row]
+        if model.shape != self.shapes[row]:  # new data of another shape: the value
+            self.masters[row].data = hollow(model.shape, model.device)
+            self.corrections[row] = torch.zeros(model.shape, dtype=torch.int8, device=model.device)
+        else:
+            self.corrections[row].zero_()
+        self.mark_row(row)
 
     def _index(self):
         self.index = {id(param): row for row, param in enumerate(self.models)}

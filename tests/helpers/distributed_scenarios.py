@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import amp
-from helpers import models
+from helpers import models, ranks
 
 ENGINES = ["ddp", "fsdp2", "fsdp1", "zero"]
 # "scaler": amp.GradScaler, with amp.autocast (DDP, ZeRO) or the engine's FP16 parameters (FSDP).
@@ -343,3 +343,4 @@ def main(out):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    ranks.leave()  # results written: no static destructors (gloo aborts in them)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import amp
-from helpers import models
+from helpers import models, ranks
 
 # (engine, how amp is used): DDP at O2, FSDP2 at O1, FSDP2 with amp.autocast + amp.GradScaler.
 SCENARIOS = [("ddp", "O2"), ("fsdp2", "O1"), ("fsdp2", "scaler")]
@@ -117,3 +117,4 @@ def main(out):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    ranks.leave()  # results written: no static destructors (gloo aborts in them)

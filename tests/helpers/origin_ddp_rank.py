@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import amp
+from helpers import ranks
 from helpers.models import make_model
 
 
@@ -49,3 +50,4 @@ def main(out):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    ranks.leave()  # results written: no static destructors (gloo aborts in them)

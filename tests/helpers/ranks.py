@@ -1,5 +1,7 @@
-"""Two-rank gloo jobs for the tests: a free port, and a helper script run as ranks 0 and 1."""
+"""Two-rank gloo jobs for the tests: a free port, a helper script run as ranks 0 and 1, and how
+such a rank ends."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -35,3 +37,15 @@ def run_two_ranks(script, *args, timeout=240):
     logs = [process.communicate(timeout=timeout)[0] for process in processes]
     for process, log in zip(processes, logs):
         assert process.returncode == 0, log[-3000:]
+
+
+def leave():
+    """End this rank's process once its results are written: output flushed, then os._exit(0).
+
+    Without the C++ static destructors of a normal exit: torch's gloo backend aborts in them now
+    and then ("terminate called without an active exception", SIGABRT; 2 runs in 38 of plain DDP
+    without amp, destroy_process_group() or not), which failed a job whose results were written.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

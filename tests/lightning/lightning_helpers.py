@@ -86,6 +86,46 @@ class Capture(L.Callback):
         self.overflow = amp.last_overflow()
 
 
+class FarBehind:
+    """amp's overflow checks as on a GPU far behind the host: the copy of a check's state reaches
+    the host only when the host waits for it (`Check.arrived(wait=True)`). `waits` counts those
+    waits; `at_steps` records it at every step of a Trainer run (a Callback)."""
+
+    def __init__(self, monkeypatch):
+        from amp.scaling.scaler import Check
+
+        self.waits = 0
+        far = self
+
+        class Event:  # a CUDA event that has not completed until synchronized
+            def query(self):
+                return False
+
+            def synchronize(self):
+                far.waits += 1
+
+        def post(check, host):
+            host[0].copy_(check.state)
+            check.host = host
+            check.host_scale.unread.append(check)
+            check.event = Event()
+
+        monkeypatch.setattr(Check, "post", post)
+
+
+class WaitsPerStep(L.Callback):
+    """The host's waits for the device in each training batch (FarBehind's count)."""
+
+    def __init__(self, far):
+        self.far, self.per_step = far, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before = self.far.waits
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.per_step.append(self.far.waits - self.before)
+
+
 def trainer(plugin=None, callbacks=(), **kwargs):
     options = dict(
         accelerator="cpu",

@@ -241,3 +241,21 @@ def test_step_costs_report_the_calls_loss_scaling_adds_at_every_level():
     # O0 and O3 scale statically; O2's fused step stands in for the optimizer's own step
     assert table[0]["amp calls"] == table[3]["amp calls"] > 0 and table[2]["amp calls"] > 0
     assert all(row["amp calls"] <= row["torch.amp.GradScaler calls"] for row in table)
+
+
+def test_transformers_trainer_benchmark_counts_every_variant(one_thread):
+    """benchmarks/transformers_trainer.py at CI sizes: each variant's calls and memory counted,
+    the ratios taken to the Trainer's own bf16."""
+    pytest.importorskip("transformers", minversion="5")  # the `transformers` extra
+    import transformers_trainer
+
+    rows = transformers_trainer.main(["--tiny", "--steps", "3", "--warmup", "1", "--device", "cpu"])
+    assert [row["variant"] for row in rows] == list(transformers_trainer.VARIANTS)
+    by_name = {row["variant"]: row for row in rows}
+    for row in rows:
+        assert row["calls/step"] > 100 and 0 < row["start MiB"] < row["peak MiB"]
+        assert row["loss"] < 6.0  # finite, near ln 256 = 5.55 after three steps
+    reference = by_name["Trainer bf16=True"]
+    assert reference["calls / bf16=True"] == reference["peak / bf16=True"] == 1.0
+    # O2 holds FP32 masters next to the bf16 model: more bytes live when a step starts than O1
+    assert by_name["AmpTrainer O2 bf16"]["start MiB"] > by_name["AmpTrainer O1 bf16"]["start MiB"]

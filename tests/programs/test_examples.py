@@ -34,12 +34,16 @@ SCRIPTS = [
     "fsdp2.py",
     "what_went_wrong.py",
     "lightning.py",
+    "transformers_finetune.py",
 ]
 
 
 def _needs_lightning(script):
+    """Skip where the example's framework is not installed (`make test` installs both extras)."""
     if script == "lightning.py":
-        pytest.importorskip("lightning.pytorch")  # the `lightning` extra, installed by make test
+        pytest.importorskip("lightning.pytorch")  # the `lightning` extra
+    if script == "transformers_finetune.py":
+        pytest.importorskip("transformers", minversion="5")  # the `transformers` extra
 
 
 @pytest.mark.parametrize("script", SCRIPTS + ["common.py", "demo_plot.py"])
@@ -162,6 +166,16 @@ def test_checkpoint_prints_the_losses_and_what_the_checkpoint_holds(tmp_path):
     assert table[3].endswith("resumed in a fresh process")
 
 
+def test_progress_bars_are_drawn_on_a_terminal_only():
+    import io
+
+    import common
+
+    log = io.StringIO()  # what `make demo > log 2>&1` gives tqdm: no terminal
+    assert list(common.progress(range(3), desc="O1", file=log)) == [0, 1, 2]
+    assert log.getvalue() == ""
+
+
 def test_demo_precision_table():
     table, trace = demo.precision_table(["O0", "O1", "O2", "O3"], torch.float16)
     assert set(table["O0"].values()) == {"float32"}
@@ -214,6 +228,27 @@ def test_what_went_wrong_names_the_layer_and_the_fix_works(capsys):
     printed = capsys.readouterr().out
     assert "it started in the output of module 'body.0' in forward" in printed
     assert "NonFiniteLossWarning" in printed and "fp32_modules=['body']" in printed
+
+
+def test_transformers_finetune_skips_an_overflow_resumes_bit_for_bit_and_saves_fp32(
+    monkeypatch, one_thread
+):
+    """AmpTrainer at O1 fp16 with an inf gradient at step 1, at tiny sizes."""
+    _needs_lightning("transformers_finetune.py")
+    spec = importlib.util.spec_from_file_location(
+        "transformers_finetune", f"{EXAMPLES}/transformers_finetune.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sizes = ["--rows", "16", "--batch", "4", "--length", "16", "--width", "32"]
+    result = module.main(
+        ["--opt-level", "O1", "--dtype", "float16", "--overflow-step", "1", "--device", "cpu"]
+        + sizes
+    )
+    assert result["skipped"] == 1 and result["dtypes"] == {(torch.float32, torch.float32)}
+    assert result["resumed_equal"] and result["loaded_equal"]
+    assert result["logits"] == "float32" and result["config_dtype"] == "float32"
+    assert result["loaded_dtype"] is torch.float32 and result["losses"][-1] < result["losses"][0]
 
 
 def _torchrun(script, *args):

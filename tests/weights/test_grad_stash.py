@@ -97,6 +97,43 @@ def test_the_model_gradients_become_the_masters_in_one_kernel_call(monkeypatch):
         amp.deinitialize()
 
 
+def test_a_large_models_gradients_become_fp32_in_quarters_each_let_go_first(monkeypatch):
+    """Beyond grad_stash._WHOLE elements the master gradients are made a quarter at a time, and
+    each quarter's low-precision gradients are freed before the next is made (so the model's
+    gradients and all the FP32 ones are never held together): bit for bit the one-call result."""
+    from amp.weights import grad_stash
+
+    model, optimizer = initialized(torch.bfloat16)
+    params = list(model.parameters())
+    monkeypatch.setattr(grad_stash, "_WHOLE", 0)
+    original = amp.kernels.unscale_to_
+    pieces = []
+
+    def watching(sources, destinations, *args, **kwargs):
+        pieces.append(([weakref.ref(source) for source in sources], [r() is None for r in refs]))
+        return original(sources, destinations, *args, **kwargs)
+
+    try:
+        with amp.scale_loss(square_loss(model, 0), optimizer) as scaled:
+            scaled.backward()
+            grads = [param.grad.clone() for param in params]
+            refs = [weakref.ref(param.grad) for param in params]
+            monkeypatch.setattr(amp.kernels, "unscale_to_", watching)
+        monkeypatch.setattr(amp.kernels, "unscale_to_", original)
+        inv_scale = torch.tensor(amp.state_dict()["loss_scaler0"]["loss_scale"] ** -1)
+        for master, want in zip(amp.master_params(optimizer), unscaled(grads, inv_scale)):
+            assert torch.equal(master.grad, want)
+        assert 3 <= len(pieces) <= 5
+        done = 0
+        for sources, freed in pieces:
+            assert freed == [i < done for i in range(len(params))]  # the earlier pieces only
+            done += len(sources)
+        assert done == len(params)
+        assert all(ref() is None for ref in refs)
+    finally:
+        amp.deinitialize()
+
+
 def test_parameters_without_gradient_keep_no_master_gradient(monkeypatch):
     """Parameters this backward did not reach keep no master gradient; the others are unscaled
     in one call, bit for bit."""

@@ -1,0 +1,293 @@
+"""O2's compact state (amp/weights/compact_state.py, the compact rows of table.py): masters as bf16
+weights with int8 corrections, moments in 8 bits or bf16, all kept by the fused step; what they
+train to, skips, checkpoints either way, deinitialize, and what is refused."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import amp
+from amp.weights.masters import HollowMaster
+from helpers.models import inject, loss_of, make_model
+from helpers.o2 import general_path
+
+pytestmark = pytest.mark.usefixtures("deinitialized")
+
+FORMS = [
+    dict(master_weights="compact"),
+    dict(master_weights="compact", optimizer_state="int8"),
+    dict(master_weights="compact", optimizer_state="bf16"),
+    dict(optimizer_state="int8"),
+]
+IDS = ["compact", "compact-int8", "compact-bf16", "int8"]
+
+
+def setup(form, cls=torch.optim.AdamW, batch_norm=True, **options):
+    model = make_model(inputs=16, hidden=32, outputs=16, batch_norm=batch_norm)
+    optimizer = cls(model.parameters(), **(options or dict(lr=0.01)))
+    return amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form
+    )
+
+
+def train(model, optimizer, steps, inside=None):
+    for step in steps:
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step, inputs=16, outputs=16), optimizer) as scaled:
+            scaled.backward()
+            if inside is not None:
+                inside(step, model)
+        optimizer.step()
+
+
+def values(model, optimizer):
+    """Everything a step may change: weights, their FP32 values, optimizer state, amp's state
+    (not batch norm's statistics, which the forward updates)."""
+    named = dict(model.named_parameters())
+    state = {key: value for key, value in model.state_dict().items() if key in named}
+    weights = [p.detach() for p in model.parameters()]
+    return copy.deepcopy((weights, state, optimizer.state_dict(), amp.state_dict()))
+
+
+def assert_equal(a, b):
+    for x, y in zip(_flat(a), _flat(b), strict=True):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(
+                x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8)
+            )
+        else:
+            assert x == y
+
+
+def _flat(value):
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield key
+            yield from _flat(value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flat(item)
+    else:
+        yield value
+
+
+@pytest.mark.parametrize("form", FORMS, ids=IDS)
+def test_compact_state_keeps_what_it_says_and_no_fp32_master(form):
+    model, optimizer = setup(form)
+    train(model, optimizer, range(2))
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    compact = form.get("master_weights") == "compact"
+    cast = [m for m in masters if m.dim() == 2]  # the Linear weights (batch norm's stay FP32)
+    assert all(isinstance(m, HollowMaster) is compact for m in cast)
+    if compact:  # no values held: a read shows NaN, never a plausible weight
+        assert all(m.untyped_storage().nbytes() <= 4 and torch.isnan(m).all() for m in cast)
+    state = optimizer.state[cast[0]]
+    kind = form.get("optimizer_state", "fp32")
+    keys = {"fp32": {"exp_avg", "exp_avg_sq"}, "bf16": {"exp_avg_bf16", "exp_avg_sq_bf16"}}
+    keys["int8"] = {"exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"}
+    assert set(state) == keys[kind] | {"step"}
+    if kind == "int8":
+        assert state["exp_avg_codes"].dtype is torch.int8
+        assert state["exp_avg_sq_codes"].dtype is torch.uint8
+        assert state["exp_avg_scales"].numel() == -(-cast[0].numel() // 32)
+    assert all(p.dtype is torch.bfloat16 for p in model[0].parameters())
+
+
+@pytest.mark.parametrize("form", FORMS[:2], ids=IDS[:2])
+def test_compact_masters_follow_fp32_masters_to_a_fraction_of_a_bf16_ulp(form):
+    """One step from the same weights: the compact master is the FP32 master to within what its
+    correction keeps (1/256 of a bf16 ulp, twice: before and after the step)."""
+    exact = setup({}, batch_norm=False, lr=0.01, fused=True)
+    train(*exact, range(1))
+    reference = [p.detach().clone() for p in exact[0].state_dict().values()]
+    amp.deinitialize()
+    model, optimizer = setup(form, batch_norm=False, lr=0.01, fused=True)
+    train(model, optimizer, range(1))
+    for ours, theirs in zip(model.state_dict().values(), reference):
+        # 1/128 of a bf16 ulp of the larger of the weight and its update (lr 0.01: at most 0.01)
+        bound = (theirs.abs() + 0.01) * 2**-7 / 128
+        assert ((ours - theirs).abs() <= bound).all()
+
+
+@pytest.mark.parametrize(
+    "options", [dict(float8="tensorwise"), dict(fp32_modules=["2"])], ids=["float8", "fp32"]
+)
+def test_float8_and_layers_kept_fp32_step_as_with_fp32_masters(options):
+    """float8= and fp32_modules= with compact masters: a step as with FP32 masters, to what the
+    correction keeps; a layer kept FP32 has no master, its own weight stepped."""
+    results = []
+    for form in ({}, dict(master_weights="compact")):
+        model = make_model(inputs=16, hidden=32, outputs=16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form, **options
+        )
+        with amp.trace() as trace:
+            train(model, optimizer, range(1))
+        results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        stepped = optimizer.param_groups[0]["params"]
+        kept = model[2].weight.dtype is torch.float32 and any(p is model[2].weight for p in stepped)
+        amp.deinitialize()
+    if "float8" in options:
+        assert torch.float8_e4m3fn in {record.ran_in for record in trace.records}
+    else:
+        assert kept
+    for name, theirs in results[0].items():
+        bound = (theirs.abs() + 0.01) * 2**-7 / 128  # as in the test above
+        assert ((results[1][name] - theirs).abs() <= bound).all(), name
+
+
+@pytest.mark.parametrize("form", FORMS, ids=IDS)
+def test_a_skipped_step_changes_no_bit(form):
+    model, optimizer = setup(form)
+    train(model, optimizer, range(3))
+    before = values(model, optimizer)
+    train(model, optimizer, [3], inside=lambda step, m: inject(m[0].weight))
+    after = values(model, optimizer)
+    assert_equal(before[:3], after[:3])
+    assert after[3]["loss_scaler0"]["loss_scale"] == before[3]["loss_scaler0"]["loss_scale"] / 2
+
+
+def _saved(model, optimizer):
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+@pytest.mark.parametrize("form", FORMS, ids=IDS)
+def test_a_resume_is_bit_for_bit(form):
+    model, optimizer = setup(form)
+    train(model, optimizer, range(5))
+    uninterrupted = values(model, optimizer)
+    amp.deinitialize()
+    model, optimizer = setup(form)
+    train(model, optimizer, range(2))
+    checkpoint, scale = _saved(model, optimizer), amp.state_dict()
+    amp.deinitialize()
+    model, optimizer = setup(form)
+    loaded = torch.load(checkpoint, weights_only=True)  # plain tensors: compact on disk
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    amp.load_state_dict(scale)
+    train(model, optimizer, range(2, 5))
+    assert_equal(values(model, optimizer), uninterrupted)
+
+
+@pytest.mark.parametrize("form", FORMS[:2], ids=IDS[:2])
+def test_checkpoints_of_fp32_masters_and_of_compact_state_load_into_each_other(form):
+    exact = setup({})
+    train(*exact, range(3))
+    fp32_checkpoint = _saved(*exact)
+    amp.deinitialize()
+    model, optimizer = setup(form)
+    loaded = torch.load(fp32_checkpoint, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    for ours, theirs in zip(model.state_dict().values(), loaded["model"].values()):
+        if ours.is_floating_point():
+            assert (ours - theirs).abs().max() <= theirs.abs().max() * 2**-15
+    state = optimizer.state_dict()["state"][0]
+    assert "exp_avg" in state or "exp_avg_codes" in state  # in this run's form
+    train(model, optimizer, range(3, 4))
+    compact_checkpoint = _saved(model, optimizer)
+    compact_values = [v.clone() for v in model.state_dict().values()]
+    amp.deinitialize()
+    model, optimizer = setup({})
+    loaded = torch.load(compact_checkpoint, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), compact_values))
+    assert set(optimizer.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    train(model, optimizer, range(4, 5))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=IDS)
+def test_deinitialize_hands_back_the_fp32_values_and_torchs_state(form):
+    model, optimizer = setup(form)
+    train(model, optimizer, range(3))
+    fp32 = {k: v.clone() for k, v in model.state_dict().items()}
+    amp.deinitialize()
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+    assert all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())
+    state = optimizer.state[model[0].weight]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["exp_avg"].dtype is torch.float32
+    loss_of(model, 9, inputs=16, outputs=16).backward()
+    optimizer.step()  # a plain torch step from that state
+
+
+def test_clipping_through_master_params_clips_the_fp32_gradients_the_step_uses():
+    model, optimizer = setup(dict(master_weights="compact", optimizer_state="int8"))
+    train(model, optimizer, range(2))
+    with amp.scale_loss(loss_of(model, 2, inputs=16, outputs=16), optimizer) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(optimizer))
+    norm = torch.nn.utils.clip_grad_norm_(masters, 1e-3)
+    assert norm > 1e-3 and all(m.grad is None or m.grad.dtype is torch.float32 for m in masters)
+    clipped = torch.linalg.vector_norm(
+        torch.stack([m.grad.norm() for m in masters if m.grad is not None])
+    )
+    assert clipped == pytest.approx(1e-3, rel=1e-3)
+    optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "form, cls, options, match",
+    [
+        (dict(master_weights="compact", dtype=torch.float16), torch.optim.AdamW, {}, "bfloat16"),
+        (dict(master_weights="compact"), torch.optim.RMSprop, {}, "RMSprop"),
+        (dict(optimizer_state="int8"), torch.optim.AdamW, dict(amsgrad=True), "amsgrad"),
+        (dict(optimizer_state="int8", opt_level="O1"), torch.optim.AdamW, {}, "no master"),
+        (dict(optimizer_state="int4"), torch.optim.AdamW, {}, "'int8'"),
+    ],
+    ids=["fp16", "rmsprop", "amsgrad", "o1", "int4"],
+)
+def test_what_compact_state_cannot_do_is_refused_and_nothing_changes(form, cls, options, match):
+    model = make_model()
+    weights = copy.deepcopy(model.state_dict())
+    optimizer = cls(model.parameters(), lr=0.01, **options)
+    kwargs = dict(dict(opt_level="O2", dtype=torch.bfloat16, verbosity=0), **form)
+    with pytest.raises(ValueError, match=match):
+        amp.initialize(model, optimizer, **kwargs)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
+    assert "_amp_record" not in vars(optimizer)
+    amp.deinitialize()
+
+
+def test_compact_state_has_no_general_path():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with general_path(), pytest.raises(ValueError, match="AMP_FUSED_STEP=0"):
+        amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, master_weights="compact"
+        )
+    model, optimizer = setup(dict(master_weights="compact"), torch.optim.SGD, lr=0.1)
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.1)  # a scheduler's tensor learning rate
+    with amp.scale_loss(loss_of(model, 0, inputs=16, outputs=16), optimizer) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="tensor hyperparameter"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("form", FORMS[1:2], ids=IDS[1:2])
+def test_sgd_with_momentum_and_layers_kept_fp32(form):
+    model = make_model(inputs=16, hidden=32, outputs=16, batch_norm=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.1)
+    model, optimizer = amp.initialize(
+        model,
+        optimizer,
+        opt_level="O2",
+        dtype=torch.bfloat16,
+        verbosity=0,
+        fp32_modules=[torch.nn.ReLU],
+        **form,
+    )
+    train(model, optimizer, range(3))
+    assert (
+        optimizer.state[optimizer.param_groups[0]["params"][0]]["momentum_buffer_codes"].dtype
+        is torch.int8
+    )
+    assert model[1].weight.dtype is torch.float32  # batch norm
