@@ -17,6 +17,10 @@ __all__ = [
     "PARAM_BYTES_ENV",
     "TYPE_NAMES",
     "STEP_TYPES",
+    "COMPACT",
+    "COMPACT_MASTERS",
+    "MOMENT_NAMES",
+    "compact_kernel",
     "SUPPORTED_PAIRS",
     "nvrtc_version",
     "on_gpu",
@@ -38,6 +42,21 @@ TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "
 STEP_TYPES = frozenset(
     [(t, t) for t in TYPE_NAMES] + [(torch.float32, t) for t in (torch.float16, torch.bfloat16)]
 )
+COMPACT = "compact"  # the master of a compact step held as a bf16 weight and an int8 correction
+# (gradient, master) types of the compact steps: a compact master with any gradient type, or an
+# FP32 master with a copy of the types the fused steps write (STEP_TYPES; float32: no copy).
+COMPACT_MASTERS = frozenset([(t, COMPACT) for t in TYPE_NAMES] + list(STEP_TYPES))
+# The moments of a compact step, by the first moment's dtype: FP32, bf16, or 8-bit codes.
+MOMENT_NAMES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.int8: "amp::Codes8"}
+
+
+def compact_kernel(kernel, grad, master, moment):
+    """The name of compact kernel `kernel` for a gradient dtype, a master (COMPACT or its copy's
+    dtype) and a moment dtype (MOMENT_NAMES)."""
+    master_name = "amp::Compact" if master == COMPACT else f"amp::Exact<{TYPE_NAMES[master]}>"
+    return f"{kernel}<{TYPE_NAMES[grad]}, {master_name}, {MOMENT_NAMES[moment]}>"
+
+
 _NAMES = (
     [f"amp_unscale<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
     + [f"amp_sum_squares<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
@@ -54,6 +73,13 @@ _NAMES = (
         for grad, low in sorted(STEP_TYPES, key=str)
     ]
     + ["amp_count_steps"]
+    + [
+        compact_kernel(kernel, grad, master, moment)
+        for kernel in ("amp_compact_adam", "amp_compact_sgd")
+        for grad, master in sorted(COMPACT_MASTERS, key=str)
+        for moment in MOMENT_NAMES
+    ]
+    + ["amp_compact_count_steps"]
 )
 SUPPORTED_PAIRS = frozenset(_layout.DTYPE_PAIRS)
 

@@ -49,6 +49,9 @@ KERNEL_PARAMETERS = {
     "amp_adam": (6, 9),
     "amp_count_steps": (6, 1),
     "amp_sgd": (4, 8),
+    "amp_compact_adam": (8, 9),
+    "amp_compact_count_steps": (8, 1),
+    "amp_compact_sgd": (6, 9),
 }
 
 
@@ -80,7 +83,7 @@ def max_tensors(depth, parameter_bytes):
     return count
 
 
-DEPTHS = (1, 2, 4, 6)  # the Meta structs multi_tensor.cu declares
+DEPTHS = (1, 2, 4, 6, 8)  # the Meta structs multi_tensor.cu declares
 
 
 def compile_options(parameter_bytes):

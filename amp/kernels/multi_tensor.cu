@@ -2,7 +2,9 @@
 // master grads, FP32 masters -> model params), scaled accumulate, the L2 norm, the inf/NaN check
 // alone, and the fused master step of AdamW/Adam and SGD (one pass per chunk: the low-precision
 // gradient unscaled, the FP32 master and the optimizer's state updated in place, the
-// low-precision weight written).
+// low-precision weight written), also over compact state (a master as its bf16 weight and int8
+// correction, moments in bf16 or in 8 bits with a scale per 32 elements: one warp per block of
+// 32, its scale a warp reduction).
 //
 // Plain CUDA C++: nvcc compiles it on its own (CI does, for sm_70/80/90), and CuPy loads it as a
 // RawModule. The host passes one Meta struct by value per launch: per-tensor pointers, element
@@ -32,6 +34,9 @@
 #ifndef AMP_MAX_TENSORS_D6
 #define AMP_MAX_TENSORS_D6 48
 #endif
+#ifndef AMP_MAX_TENSORS_D8
+#define AMP_MAX_TENSORS_D8 48
+#endif
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
 #define AMP_GRID_CONSTANT
@@ -50,6 +55,7 @@ template <> struct MaxTensors<1> { static constexpr int value = AMP_MAX_TENSORS_
 template <> struct MaxTensors<2> { static constexpr int value = AMP_MAX_TENSORS_D2; };
 template <> struct MaxTensors<4> { static constexpr int value = AMP_MAX_TENSORS_D4; };
 template <> struct MaxTensors<6> { static constexpr int value = AMP_MAX_TENSORS_D6; };
+template <> struct MaxTensors<8> { static constexpr int value = AMP_MAX_TENSORS_D8; };
 
 // Mirrored field for field by a numpy dtype on the host (amp/kernels/_layout.py).
 template <int Depth>
@@ -71,6 +77,9 @@ static_assert(sizeof(Meta<4>) == AMP_META_BYTES_D4, "Meta<4> layout differs from
 #endif
 #ifdef AMP_META_BYTES_D6
 static_assert(sizeof(Meta<6>) == AMP_META_BYTES_D6, "Meta<6> layout differs from the host's");
+#endif
+#ifdef AMP_META_BYTES_D8
+static_assert(sizeof(Meta<8>) == AMP_META_BYTES_D8, "Meta<8> layout differs from the host's");
 #endif
 
 __device__ __forceinline__ float mul_rn(float a, float b) {
@@ -326,14 +335,213 @@ struct SgdScalars {
   float weight_decay, momentum, one_minus_dampening, minus_lr;
 };
 
+// first_step: the buffer starts as the gradient (torch's first step; buf is not read).
 __device__ __forceinline__ void sgd_element(const SgdScalars& s, bool decay, bool with_momentum,
-                                            bool nesterov, float g, float& p, float& buf) {
+                                            bool nesterov, float g, float& p, float& buf,
+                                            bool first_step = false) {
   if (decay) g = fma_rn(s.weight_decay, p, g);
   if (with_momentum) {
-    buf = fma_rn(s.one_minus_dampening, g, mul_rn(buf, s.momentum));
+    buf = first_step ? g : fma_rn(s.one_minus_dampening, g, mul_rn(buf, s.momentum));
     g = nesterov ? fma_rn(s.momentum, buf, g) : buf;
   }
   p = fma_rn(s.minus_lr, g, p);
+}
+
+// -- compact state (amp/kernels/_codecs.py, operation by operation) ------------------------------
+
+constexpr int kWarp = 32;  // threads per warp = elements per block of an 8-bit moment's scale
+
+// The kinds of master and moments the compact kernels take (template parameters).
+struct Compact {};                      // a bf16 weight and an int8 correction
+template <typename L> struct Exact {};  // an FP32 master and its copy in L (a null pointer: none)
+struct Codes8 {};                       // int8 softsign codes (signed), uint8 square-root codes
+
+__device__ __forceinline__ float abs_bits(float x) {  // |x| on the bits: nothing flushed
+  return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
+}
+
+// A master's FP32 value from its bf16 weight bits and int8 correction: integer arithmetic, exact.
+__device__ __forceinline__ float compact_decode(unsigned short weight, signed char correction) {
+  const int high = weight;
+  const int magnitude_high = high & 0x7fff;
+  int magnitude = (magnitude_high << 16) + static_cast<int>(correction) * 256;
+  if (magnitude_high >= 0x7f80) magnitude = magnitude_high << 16;
+  const unsigned int sign = high >= 0x8000 ? 0x80000000u : 0u;
+  return __uint_as_float(static_cast<unsigned int>(magnitude) | sign);
+}
+
+// The bf16 weight bits and int8 correction of an FP32 value: the weight its rounding to nearest
+// even (torch's cast), the correction the rest in 1/256 of the weight's ulp, rounded to nearest
+// even and kept within -127..127; inf, overflow and NaN as _codecs.py. Integer arithmetic.
+__device__ __forceinline__ void compact_encode(float x, unsigned short& weight,
+                                               signed char& correction) {
+  const unsigned int bits = __float_as_uint(x);
+  unsigned int magnitude = bits & 0x7fffffffu;
+  const bool nan = magnitude > 0x7f800000u;
+  if (nan) magnitude = 0;
+  unsigned int high = (magnitude + 0x7fffu + ((magnitude >> 16) & 1u)) >> 16;
+  const int rest = static_cast<int>(magnitude) - static_cast<int>(high << 16);  // +-0x8000
+  int low = (rest + 0x7f + ((rest >> 8) & 1)) >> 8;  // arithmetic shifts: floor
+  low = low < -127 ? -127 : (low > 127 ? 127 : low);
+  if (nan || high >= 0x7f80u) low = 0;
+  if (nan) high = 0x7fc0u;
+  weight = static_cast<unsigned short>(high | ((bits >> 31) << 15));
+  correction = static_cast<signed char>(low);
+}
+
+// The largest of the warp's 32 values (non-negative floats' bits: their order is the values'),
+// in every lane; a fixed butterfly, so every lane gets the same bits.
+__device__ __forceinline__ unsigned int warp_max(unsigned int x) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const unsigned int other = __shfl_xor_sync(0xffffffffu, x, offset);
+    x = other > x ? other : x;
+  }
+  return x;
+}
+
+// A block's divisor: its scale where the scale is > 0 (on the bits: a subnormal scale counts,
+// NaN does not), else 1.
+__device__ __forceinline__ float block_divisor(unsigned int scale_bits) {
+  return scale_bits != 0u && scale_bits <= 0x7f800000u ? __uint_as_float(scale_bits) : 1.0f;
+}
+
+// Softsign codes: value = y * scale with y = z / (2 - |z|), z = code / 127.
+__device__ __forceinline__ float signed_decode(signed char code, float scale) {
+  const float z = div_rn(static_cast<float>(code), 127.0f);
+  return mul_rn(div_rn(z, sub_rn(2.0f, abs_bits(z))), scale);
+}
+
+// Each lane's code of `value` (lanes past the tensor pass 0: the zero padding) and the block's
+// scale, its largest magnitude.
+__device__ __forceinline__ signed char signed_encode(float value, float& scale) {
+  const unsigned int scale_bits = warp_max(__float_as_uint(value) & 0x7fffffffu);
+  scale = __uint_as_float(scale_bits);
+  const float y = div_rn(value, block_divisor(scale_bits));
+  const float z = div_rn(mul_rn(y, 2.0f), add_rn(abs_bits(y), 1.0f));
+  return static_cast<signed char>(static_cast<int>(rintf(mul_rn(z, 127.0f))));
+}
+
+// Square-root codes: value = r * r with r = code / 255 * scale.
+__device__ __forceinline__ float unsigned_decode(unsigned char code, float scale) {
+  const float root = mul_rn(div_rn(static_cast<float>(code), 255.0f), scale);
+  return mul_rn(root, root);
+}
+
+// As signed_encode, over the square roots (the scale is the largest root); a positive value is
+// never code 0.
+__device__ __forceinline__ unsigned char unsigned_encode(float value, float& scale) {
+  const float root = sqrt_rn(value);
+  const unsigned int scale_bits = warp_max(__float_as_uint(root) & 0x7fffffffu);
+  scale = __uint_as_float(scale_bits);
+  const float y = div_rn(root, block_divisor(scale_bits));
+  int code = static_cast<int>(rintf(mul_rn(y, 255.0f)));
+  const unsigned int root_bits = __float_as_uint(root);
+  if (code == 0 && root_bits != 0u && root_bits <= 0x7f800000u) code = 1;  // root > 0
+  return static_cast<unsigned char>(code);
+}
+
+// A chunk's master in a compact step, in its form (lists 1 and 2 of the launch): a compact one's
+// bf16 weight and int8 correction, or an FP32 master and its low-precision copy (or none).
+template <typename Master> struct MasterList;
+
+template <> struct MasterList<Compact> {
+  unsigned short* weight;
+  signed char* correction;
+  __device__ __forceinline__ MasterList(unsigned long long first_list,
+                                        unsigned long long second_list, long long first)
+      : weight(reinterpret_cast<unsigned short*>(first_list) + first),
+        correction(reinterpret_cast<signed char*>(second_list) + first) {}
+  __device__ __forceinline__ float load(long long i) const {
+    return compact_decode(weight[i], correction[i]);
+  }
+  __device__ __forceinline__ void store(long long i, float value) const {
+    unsigned short high;
+    signed char low;
+    compact_encode(value, high, low);
+    weight[i] = high;
+    correction[i] = low;
+  }
+};
+
+template <typename L> struct MasterList<Exact<L>> {
+  float* master;
+  L* low;  // null: no copy
+  __device__ __forceinline__ MasterList(unsigned long long first_list,
+                                        unsigned long long second_list, long long first)
+      : master(reinterpret_cast<float*>(first_list) + first),
+        low(second_list != 0 ? reinterpret_cast<L*>(second_list) + first : nullptr) {}
+  __device__ __forceinline__ float load(long long i) const { return master[i]; }
+  __device__ __forceinline__ void store(long long i, float value) const {
+    master[i] = value;
+    if (low != nullptr) low[i] = from_float<L>(value);
+  }
+};
+
+// A chunk's moment in a compact step: FP32 or bf16 as held, or 8-bit codes (softsign where
+// Signed, else square roots) with their blocks' scales. Element i's block is `block` (i / 32).
+template <typename Moment, bool Signed> struct MomentList {  // Moment: float or __nv_bfloat16
+  Moment* held;
+  __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long, long long first)
+      : held(list != 0 ? reinterpret_cast<Moment*>(list) + first : nullptr) {}
+  __device__ __forceinline__ float load(long long i, long long) const {
+    return to_float<Moment>(held[i]);
+  }
+  // Called by every lane of the warp (`in`: whether element i is in the tensor).
+  __device__ __forceinline__ void store(long long i, long long, bool in, bool, float value) const {
+    if (in) held[i] = from_float<Moment>(value);
+  }
+};
+
+template <> struct MomentList<Codes8, true> {
+  signed char* codes;
+  float* scales;
+  __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long scale_list,
+                                        long long first)
+      : codes(list != 0 ? reinterpret_cast<signed char*>(list) + first : nullptr),
+        scales(scale_list != 0 ? reinterpret_cast<float*>(scale_list) + first / kWarp : nullptr) {}
+  __device__ __forceinline__ float load(long long i, long long block) const {
+    return signed_decode(codes[i], scales[block]);
+  }
+  // Every lane of the warp calls it (the block's scale is a warp reduction); lane 0 (`leader`)
+  // writes the scale; lanes past the tensor (`in` false) pass 0, the zero padding.
+  __device__ __forceinline__ void store(long long i, long long block, bool in, bool leader,
+                                        float value) const {
+    float scale;
+    const signed char code = signed_encode(value, scale);
+    if (in) codes[i] = code;
+    if (leader) scales[block] = scale;
+  }
+};
+
+template <> struct MomentList<Codes8, false> {
+  unsigned char* codes;
+  float* scales;
+  __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long scale_list,
+                                        long long first)
+      : codes(list != 0 ? reinterpret_cast<unsigned char*>(list) + first : nullptr),
+        scales(scale_list != 0 ? reinterpret_cast<float*>(scale_list) + first / kWarp : nullptr) {}
+  __device__ __forceinline__ float load(long long i, long long block) const {
+    return unsigned_decode(codes[i], scales[block]);
+  }
+  __device__ __forceinline__ void store(long long i, long long block, bool in, bool leader,
+                                        float value) const {
+    float scale;
+    const unsigned char code = unsigned_encode(value, scale);
+    if (in) codes[i] = code;
+    if (leader) scales[block] = scale;
+  }
+};
+
+// The step counts of a launch's tensors (list `list`), one more each unless *found != 0 (block 0
+// does it).
+template <int Depth>
+__device__ __forceinline__ void count_steps(const Meta<Depth>& meta, int list, const float* found) {
+  if (blockIdx.x != 0 || (found != nullptr && *found != 0.0f)) return;
+  for (int t = threadIdx.x; t < meta.ntensors; t += blockDim.x) {
+    float* step = reinterpret_cast<float*>(meta.ptr[list][t]);
+    *step = add_rn(*step, 1.0f);
+  }
 }
 
 }  // namespace amp
@@ -468,11 +676,7 @@ amp_adam(const AMP_GRID_CONSTANT amp::Meta<6> meta, const float* inv, const floa
 // (block 0 does it: the launch's grid is the amp_adam launch's).
 __global__ void __launch_bounds__(amp::kBlock)
 amp_count_steps(const AMP_GRID_CONSTANT amp::Meta<6> meta, const float* found) {
-  if (blockIdx.x != 0 || (found != nullptr && *found != 0.0f)) return;
-  for (int t = threadIdx.x; t < meta.ntensors; t += blockDim.x) {
-    float* step = reinterpret_cast<float*>(meta.ptr[5][t]);
-    *step = amp::add_rn(*step, 1.0f);
-  }
+  amp::count_steps(meta, 5, found);
 }
 
 // The fused master step of SGD over lists (gradient G, FP32 master, momentum buffer or 0,
@@ -507,6 +711,104 @@ amp_sgd(const AMP_GRID_CONSTANT amp::Meta<4> meta, const float* inv, const float
       master[i] = p;
       if (with_momentum) buffer[i] = buf;
       if (low != nullptr) low[i] = amp::from_float<L>(p);
+    }
+  }
+}
+
+// The fused step of AdamW / Adam over compact state, as amp_adam: lists (gradient G, master,
+// master's second list, exp_avg, exp_avg_sq, exp_avg's scales, exp_avg_sq's scales, step).
+// Master amp::Compact: lists 1 and 2 are the bf16 weight and the int8 correction; amp::Exact<L>:
+// the FP32 master and its copy in L (null: none). Moment float / __nv_bfloat16: the moments as
+// held, lists 5 and 6 null; amp::Codes8: int8 softsign and uint8 square-root codes, lists 5 and
+// 6 their fp32 scales per 32 elements. Each element is decoded, stepped by amp::adam_element and
+// encoded; a warp takes 32 elements at a time, a block of the 8-bit moments (`chunk` must be a
+// multiple of 32), and lane 0 writes its scales. Nothing happens where *found != 0;
+// amp_compact_count_steps then adds the step.
+template <typename G, typename Master, typename Moment>
+__global__ void __launch_bounds__(amp::kBlock)
+amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, const float* found,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 long long decoupled, long long chunk) {
+  if (found != nullptr && *found != 0.0f) return;
+  const float scale = inv != nullptr ? *inv : 1.0f;
+  const int total = meta.chunk_start[meta.ntensors];
+  const int lane = threadIdx.x % amp::kWarp;
+  const long long warp_first = threadIdx.x - lane;
+  for (int c = blockIdx.x; c < total; c += gridDim.x) {
+    const int t = amp::tensor_of(meta, c);
+    long long first, n;
+    amp::chunk_range(meta, t, c, chunk, first, n);
+    const float step = *reinterpret_cast<const float*>(meta.ptr[7][t]) + 1.0f;
+    const amp::AdamScalars s = amp::adam_scalars(lr, beta1, beta2, eps, weight_decay, step);
+    const G* grad = reinterpret_cast<const G*>(meta.ptr[0][t]) + first;
+    const amp::MasterList<Master> master(meta.ptr[1][t], meta.ptr[2][t], first);
+    const amp::MomentList<Moment, true> exp_avg(meta.ptr[3][t], meta.ptr[5][t], first);
+    const amp::MomentList<Moment, false> exp_avg_sq(meta.ptr[4][t], meta.ptr[6][t], first);
+    for (long long base = warp_first; base < n; base += amp::kBlock) {  // the same in a warp
+      const long long i = base + lane, block = base / amp::kWarp;
+      const bool in = i < n;
+      float m = 0.0f, v = 0.0f;
+      if (in) {
+        float g = amp::to_float<G>(grad[i]);
+        if (inv != nullptr) g = amp::mul_rn(g, scale);
+        float p = master.load(i);
+        m = exp_avg.load(i, block);
+        v = exp_avg_sq.load(i, block);
+        amp::adam_element(s, decoupled != 0, weight_decay != 0.0, g, p, m, v);
+        master.store(i, p);
+      }
+      exp_avg.store(i, block, in, lane == 0, m);
+      exp_avg_sq.store(i, block, in, lane == 0, v);
+    }
+  }
+}
+
+// The step counts of an amp_compact_adam launch's tensors (list 7), as amp_count_steps.
+__global__ void __launch_bounds__(amp::kBlock)
+amp_compact_count_steps(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* found) {
+  amp::count_steps(meta, 7, found);
+}
+
+// The fused step of SGD over compact state, as amp_compact_adam: lists (gradient G, master,
+// master's second list, momentum buffer, its scales, unused); the buffer lists are null without
+// momentum. first_step: the buffers start as the gradients (not read), as torch's first step.
+template <typename G, typename Master, typename Moment>
+__global__ void __launch_bounds__(amp::kBlock)
+amp_compact_sgd(const AMP_GRID_CONSTANT amp::Meta<6> meta, const float* inv, const float* found,
+                double lr, double momentum, double dampening, double weight_decay,
+                long long nesterov, long long first_step, long long chunk) {
+  if (found != nullptr && *found != 0.0f) return;
+  const float scale = inv != nullptr ? *inv : 1.0f;
+  amp::SgdScalars s;
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.momentum = static_cast<float>(momentum);
+  s.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  s.minus_lr = static_cast<float>(-lr);
+  const bool with_momentum = momentum != 0.0;
+  const bool first = first_step != 0;
+  const int total = meta.chunk_start[meta.ntensors];
+  const int lane = threadIdx.x % amp::kWarp;
+  const long long warp_first = threadIdx.x - lane;
+  for (int c = blockIdx.x; c < total; c += gridDim.x) {
+    const int t = amp::tensor_of(meta, c);
+    long long first_element, n;
+    amp::chunk_range(meta, t, c, chunk, first_element, n);
+    const G* grad = reinterpret_cast<const G*>(meta.ptr[0][t]) + first_element;
+    const amp::MasterList<Master> master(meta.ptr[1][t], meta.ptr[2][t], first_element);
+    const amp::MomentList<Moment, true> buffer(meta.ptr[3][t], meta.ptr[4][t], first_element);
+    for (long long base = warp_first; base < n; base += amp::kBlock) {  // the same in a warp
+      const long long i = base + lane, block = base / amp::kWarp;
+      const bool in = i < n;
+      float buf = 0.0f;
+      if (in) {
+        float g = amp::to_float<G>(grad[i]);
+        if (inv != nullptr) g = amp::mul_rn(g, scale);
+        float p = master.load(i);
+        if (with_momentum && !first) buf = buffer.load(i, block);
+        amp::sgd_element(s, weight_decay != 0.0, with_momentum, nesterov != 0, g, p, buf, first);
+        master.store(i, p);
+      }
+      if (with_momentum) buffer.store(i, block, in, lane == 0, buf);
     }
   }
 }
@@ -547,3 +849,25 @@ template __global__ void amp_check<__nv_bfloat16>(const AMP_GRID_CONSTANT amp::M
 AMP_STEP_KERNELS(__half, __half)
 AMP_STEP_KERNELS(__nv_bfloat16, __nv_bfloat16)
 AMP_STEP_KERNELS(float, float)
+
+// The compact steps: G the gradient's type; the master compact, or exact with a copy of the
+// types amp_adam writes (float: none); the moments FP32, bf16 or 8-bit codes.
+#define AMP_COMPACT_KERNELS(G, Master, Moment)                                                      \
+  template __global__ void amp_compact_adam<G, Master, Moment>(                                    \
+      const AMP_GRID_CONSTANT amp::Meta<8>, const float*, const float*, double, double, double,    \
+      double, double, long long, long long);                                                       \
+  template __global__ void amp_compact_sgd<G, Master, Moment>(                                     \
+      const AMP_GRID_CONSTANT amp::Meta<6>, const float*, const float*, double, double, double,    \
+      double, long long, long long, long long);
+#define AMP_COMPACT_MOMENTS(G, Master)                                                              \
+  AMP_COMPACT_KERNELS(G, Master, float)                                                            \
+  AMP_COMPACT_KERNELS(G, Master, __nv_bfloat16)                                                    \
+  AMP_COMPACT_KERNELS(G, Master, amp::Codes8)
+AMP_COMPACT_MOMENTS(__nv_bfloat16, amp::Compact)
+AMP_COMPACT_MOMENTS(__half, amp::Compact)
+AMP_COMPACT_MOMENTS(float, amp::Compact)
+AMP_COMPACT_MOMENTS(__half, amp::Exact<__half>)
+AMP_COMPACT_MOMENTS(__nv_bfloat16, amp::Exact<__nv_bfloat16>)
+AMP_COMPACT_MOMENTS(float, amp::Exact<float>)
+AMP_COMPACT_MOMENTS(float, amp::Exact<__half>)
+AMP_COMPACT_MOMENTS(float, amp::Exact<__nv_bfloat16>)

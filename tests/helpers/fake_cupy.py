@@ -58,7 +58,8 @@ class FakeKernel:
         self.name = name
         kernel, _, types_part = name.partition("<")
         self.kernel = kernel
-        self.types = [_DTYPES[t.strip()] for t in types_part.rstrip(">").split(",") if t.strip()]
+        # None for a template argument that is no element type (the compact steps' amp::Compact)
+        self.types = [_DTYPES.get(t.strip()) for t in types_part[:-1].split(",") if t.strip()]
         self.launches = launches
 
     def compile(self):

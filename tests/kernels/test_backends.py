@@ -341,11 +341,12 @@ def test_the_layout_knows_every_kernels_parameters_as_the_source_declares_them()
 @pytest.mark.parametrize("kernel", sorted(_layout.KERNEL_PARAMETERS))
 def test_every_kernels_parameters_fit_the_budget_with_a_full_meta(budget, kernel):
     """A full Meta and the kernel's other parameters (8 bytes each) within the driver's limit:
-    amp_adam's nine took 4104 of 4096 bytes when 64 were reserved for three."""
+    amp_adam's nine took 4104 of 4096 bytes when 64 were reserved for three. The compact Adam's
+    Meta<8> holds 52 tensors in 4 KB, 430 in 32 KB."""
     depth, others = _layout.KERNEL_PARAMETERS[kernel]
     count = _layout.max_tensors(depth, budget)
     assert _layout.meta_dtype(depth, count).itemsize + 8 * others <= budget
-    assert count >= (50 if budget == _layout.PARAM_BYTES_SMALL else 500)
+    assert count >= (50 if budget == _layout.PARAM_BYTES_SMALL else 400)
 
 
 def test_plan_covers_every_element_exactly_once():

@@ -293,13 +293,53 @@ __global__ void arithmetic(const float* a, const float* b, const float* c, float
   out[2 * n + i] = probe_sqrt(a[i]);
   out[3 * n + i] = probe_fma(a[i], b[i], c[i]);
 }
+__global__ void warp_max(const unsigned int* in, unsigned int* out) {
+  const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+  unsigned int x = in[i];
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const unsigned int other = __shfl_xor_sync(0xffffffffu, x, offset);
+    x = other > x ? other : x;
+  }
+  out[i] = x;
+}
+__global__ void partners(const float* in, float* floats, int* ints) {
+  floats[threadIdx.x] = __shfl_xor_sync(0xffffffffu, in[threadIdx.x], 1);
+  ints[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 6);
+}
+__global__ void paced(int* out) {
+  __shared__ int seen[64];
+  int x = threadIdx.x;
+  if (threadIdx.x < 32) {  // the first warp shuffles three times, the second not at all
+    for (int k = 0; k < 3; ++k) x = __shfl_xor_sync(0xffffffffu, x, 1);
+  }
+  seen[threadIdx.x] = x;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = seen[63 - threadIdx.x];
+}
+__global__ void lane_missing(int* out) {
+  if (threadIdx.x == 5) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1);
+}
+__global__ void half_warp(int* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, static_cast<int>(threadIdx.x), 1);
+}
 """
 PROBE_NAMES = ["last_writer", "diverge", "vote", "block_sums", "products", "arithmetic"]
+PROBE_NAMES += ["warp_max", "partners", "paced", "lane_missing", "half_warp"]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["no-ftz", "ftz"])
+@pytest.fixture(
+    scope="module",
+    params=[(False, True), (True, True), (True, False)],
+    ids=["no-ftz", "ftz", "ftz-ucontext"],
+)
 def probes(request):
-    options = ("-std=c++17", "-ftz=true" if request.param else "-ftz=false")
+    """The probes compiled as CuPy would, threads switched by the shim's fast switch (x86-64) or
+    by ucontexts (elsewhere, and where a shadow stack is in force)."""
+    ftz, fast = request.param
+    options = ("-std=c++17", "-ftz=true" if ftz else "-ftz=false")
+    if not fast:
+        options += ("-DAMP_EMU_FAST_SWITCH=0",)
     return build.compile_module(PROBES, options, PROBE_NAMES)
 
 
@@ -327,6 +367,42 @@ def test_syncthreads_or_and_shared_memory_per_block(probes, who):
     sums = torch.zeros(3, dtype=torch.int32)
     probes.launch("block_sums", (3,), (64,), (values.data_ptr(), sums.data_ptr()), order="reversed")
     assert sums.tolist() == values.view(3, 64).sum(1).tolist()
+
+
+@pytest.mark.parametrize("order", ["forward", "reversed", "shuffled"])
+def test_a_warp_shuffle_exchanges_the_values_of_its_32_threads(probes, order):
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randint(0, 2**31 - 1, (3 * 64,), generator=generator, dtype=torch.int32)
+    out = torch.zeros_like(values)
+    probes.launch("warp_max", (3,), (64,), (values.data_ptr(), out.data_ptr()), order=order)
+    assert out.tolist() == values.view(6, 32).amax(1).repeat_interleave(32).tolist()
+    floats, ints = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    source = torch.arange(64, dtype=torch.float32) / 3
+    probes.launch(
+        "partners",
+        (1,),
+        (64,),
+        (source.data_ptr(), floats.data_ptr(), ints.data_ptr()),
+        order=order,
+    )
+    lanes = torch.arange(64)
+    assert torch.equal(floats, source[lanes ^ 1]) and ints.tolist() == (lanes ^ 6).tolist()
+
+
+def test_warps_shuffle_at_their_own_pace_between_barriers(probes):
+    out = torch.zeros(2 * 64, dtype=torch.int32)
+    probes.launch("paced", (2,), (64,), (out.data_ptr(),), order="shuffled", seed=2)
+    seen = 63 - torch.arange(64)
+    expected = torch.where(seen < 32, seen ^ 1, seen)  # three swaps with the neighbour: one
+    assert out.tolist() == expected.tolist() * 2
+
+
+def test_a_shuffle_the_whole_warp_does_not_reach_is_an_error(probes):
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(build.KernelError, match="31 threads wait at __shfl_xor_sync"):
+        probes.launch("lane_missing", (1,), (64,), (out.data_ptr(),))
+    with pytest.raises(build.KernelError, match="full warp only"):
+        probes.launch("half_warp", (1,), (64,), (out.data_ptr(),))
 
 
 def test_arguments_are_checked_against_the_kernel_parameters(probes):

@@ -1,10 +1,17 @@
 // CUDA on the CPU, for tests: g++ compiles amp/kernels/multi_tensor.cu unmodified with this
 // header force-included (-include), and every launch runs the grid on the calling thread.
 //
-// - A block's threads are fibers (ucontext) that meet at __syncthreads / __syncthreads_or. Between
+// - A block's threads are fibers that meet at __syncthreads / __syncthreads_or. Between
 //   two barriers each thread runs alone, in the order the launch asks for (forward, reversed,
 //   shuffled), so a result that depends on the order of threads within a phase shows up.
-//   Blocks run one after another, in the same order.
+//   Blocks run one after another, in the same order. On x86-64 a fiber switch saves the
+//   callee-saved registers and swaps stacks (a few nanoseconds; glibc's swapcontext makes a
+//   system call for the signal mask, about half a microsecond); elsewhere, and where a shadow
+//   stack is in force, the fibers are ucontexts.
+// - __shfl_xor_sync (int, unsigned int, float; the full warp, width 32): a thread waits there until
+//   all 32 threads of its warp do, then each gets its partner's value and the warp runs on, in the
+//   launch's order, while the other warps wait where they are. A warp whose threads do not all
+//   reach the shuffle (some returned or wait at a block barrier) is an error, as on the GPU.
 // - __shared__ is a static thread_local: one copy per OS thread, shared by the block that runs.
 // - Inline PTX: the instructions the source uses (mul/add/sub/div/sqrt/fma .rn.f32) are computed
 //   exactly, with subnormals kept whatever the emulated flush-to-zero mode (see AMP_EMU_PTX).
@@ -68,19 +75,55 @@ struct LaunchSpec {
   int ftz;                 // emulate -ftz=true
 };
 
+#ifndef AMP_EMU_FAST_SWITCH  // -DAMP_EMU_FAST_SWITCH=0: ucontexts everywhere
+#if defined(__x86_64__)
+#define AMP_EMU_FAST_SWITCH 1
+#else
+#define AMP_EMU_FAST_SWITCH 0
+#endif
+#endif
+#if AMP_EMU_FAST_SWITCH
+// amp_emu_switch(save, load): pushes the callee-saved registers, stores the stack pointer in
+// *save, loads `load` and pops the registers saved there (the System V ABI leaves the rest to the
+// caller; MXCSR and the x87 control word are the launch's in every fiber).
+extern "C" void amp_emu_switch(void** save, void* load);
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".weak amp_emu_switch\n"
+    ".hidden amp_emu_switch\n"
+    ".type amp_emu_switch, @function\n"
+    "amp_emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size amp_emu_switch, .-amp_emu_switch\n");
+#endif
+
 struct Fiber {
   enum State { kReady, kWaiting, kDone };
   ucontext_t context;
+  void* stack_pointer = nullptr;  // the fast switch's saved stack
   Dim3 thread;
   State state = kReady;
-  int barrier_kind = 0;  // 0: __syncthreads, 1: __syncthreads_or
+  int barrier_kind = 0;  // 0: __syncthreads, 1: __syncthreads_or, 2: a warp shuffle
   int predicate = 0;
   int result = 0;
+  // A warp shuffle: the mask, this thread's value and lane mask, and what it receives.
+  unsigned int shuffle_mask = 0, shuffle_value = 0, shuffled = 0;
+  int lane_mask = 0, width = 0;
 };
+
+constexpr unsigned int kWarp = 32;
+constexpr int kShuffle = 2;  // Fiber::barrier_kind of a thread waiting at a warp shuffle
 
 struct Grid {
   Dim3 grid_dim, block_dim, block;
   ucontext_t scheduler;
+  void* scheduler_stack_pointer = nullptr;
+  bool fast = false;  // the fibers switch with amp_emu_switch, else with swapcontext
   std::vector<Fiber> fibers;
   void (*body)(void*) = nullptr;
   void* body_argument = nullptr;
@@ -94,6 +137,39 @@ constexpr size_t kStackBytes = 64 * 1024;
 
 inline const Dim3& thread_index() { return fiber->thread; }
 
+// The running fiber hands control back to the scheduler; the scheduler runs fiber f until it does.
+inline void leave(Fiber* self) {
+#if AMP_EMU_FAST_SWITCH
+  if (grid->fast) {
+    amp_emu_switch(&self->stack_pointer, grid->scheduler_stack_pointer);
+    return;
+  }
+#endif
+  swapcontext(&self->context, &grid->scheduler);
+}
+
+inline void enter(Fiber* f) {
+#if AMP_EMU_FAST_SWITCH
+  if (grid->fast) {
+    amp_emu_switch(&grid->scheduler_stack_pointer, f->stack_pointer);
+    return;
+  }
+#endif
+  swapcontext(&grid->scheduler, &f->context);
+}
+
+// Whether a CET shadow stack is in force (rdssp reads 0 where it is not: a no-op on CPUs without
+// CET). Returns through swapped stacks would not match it; swapcontext keeps it.
+inline bool shadow_stack() {
+#if AMP_EMU_FAST_SWITCH
+  unsigned long long pointer = 0;
+  __asm__ volatile("rdsspq %0" : "+r"(pointer));
+  return pointer != 0;
+#else
+  return true;
+#endif
+}
+
 // A thread arrives at a barrier: hand control back to the scheduler until every thread of the
 // block has arrived; then all get the barrier's result.
 inline int barrier(int kind, int predicate) {
@@ -101,13 +177,69 @@ inline int barrier(int kind, int predicate) {
   self->state = Fiber::kWaiting;
   self->barrier_kind = kind;
   self->predicate = predicate;
-  swapcontext(&self->context, &grid->scheduler);
+  leave(self);
   return self->result;
+}
+
+// A thread arrives at __shfl_xor_sync: hand control back until all threads of its warp have
+// arrived (run_block exchanges their values).
+inline unsigned int shuffle_xor(unsigned int mask, unsigned int value, int lane_mask, int width) {
+  Fiber* self = fiber;
+  self->state = Fiber::kWaiting;
+  self->barrier_kind = kShuffle;
+  self->shuffle_mask = mask;
+  self->shuffle_value = value;
+  self->lane_mask = lane_mask;
+  self->width = width;
+  leave(self);
+  return self->shuffled;
+}
+
+// Exchanges the values of every warp whose threads all wait at a shuffle and makes them ready.
+// Returns how many warps it released, or -1 (and grid->error) for a shuffle it cannot compute.
+inline int exchange_warps() {
+  const unsigned int n = static_cast<unsigned int>(grid->fibers.size());
+  int released = 0;
+  for (unsigned int first = 0; first < n; first += kWarp) {
+    bool all = first + kWarp <= n;
+    for (unsigned int t = first; all && t < first + kWarp; ++t) {
+      const Fiber& f = grid->fibers[t];
+      all = f.state == Fiber::kWaiting && f.barrier_kind == kShuffle;
+    }
+    if (!all) continue;
+    for (unsigned int t = first; t < first + kWarp; ++t) {
+      const Fiber& f = grid->fibers[t];
+      if (f.shuffle_mask != 0xffffffffu || f.width != static_cast<int>(kWarp)) {
+        grid->error = "block " + std::to_string(grid->block.x) + ", thread " + std::to_string(t) +
+                      ": the emulation computes __shfl_xor_sync over the full warp only (mask "
+                      "0xffffffff, width 32)";
+        return -1;
+      }
+    }
+    for (unsigned int t = first; t < first + kWarp; ++t) {
+      Fiber& f = grid->fibers[t];
+      const unsigned int source = first + (((t - first) ^ static_cast<unsigned int>(f.lane_mask)) & (kWarp - 1));
+      f.shuffled = grid->fibers[source].shuffle_value;
+    }
+    for (unsigned int t = first; t < first + kWarp; ++t) grid->fibers[t].state = Fiber::kReady;
+    ++released;
+  }
+  return released;
 }
 
 inline void fiber_entry() {
   grid->body(grid->body_argument);
   fiber->state = Fiber::kDone;  // returning resumes the scheduler (uc_link)
+}
+
+// A fiber's first frame under the fast switch: the switch's `ret` lands here.
+[[noreturn]] inline void fast_fiber_entry() {
+  fiber_entry();
+#if AMP_EMU_FAST_SWITCH
+  void* finished;
+  amp_emu_switch(&finished, grid->scheduler_stack_pointer);
+#endif
+  __builtin_unreachable();
 }
 
 inline std::vector<unsigned int> permutation(unsigned int n, int order, unsigned long long seed) {
@@ -135,19 +267,39 @@ inline bool run_block(const LaunchSpec& spec, unsigned long long block_seed) {
     Fiber& f = grid->fibers[t];
     f.state = Fiber::kReady;
     f.thread.x = t;
+    char* stack = stacks.data() + static_cast<size_t>(t) * kStackBytes;
+    if (grid->fast) {
+      // The frame amp_emu_switch pops: six registers, then fast_fiber_entry as the return
+      // address, above it a slot that leaves the stack as a call would (16-byte aligned + 8).
+      void** top = reinterpret_cast<void**>(
+          reinterpret_cast<uintptr_t>(stack + kStackBytes) & ~static_cast<uintptr_t>(15));
+      *--top = nullptr;
+      *--top = reinterpret_cast<void*>(&fast_fiber_entry);
+      for (int i = 0; i < 6; ++i) *--top = nullptr;
+      f.stack_pointer = top;
+      continue;
+    }
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = stacks.data() + static_cast<size_t>(t) * kStackBytes;
+    f.context.uc_stack.ss_sp = stack;
     f.context.uc_stack.ss_size = kStackBytes;
     f.context.uc_link = &grid->scheduler;
     makecontext(&f.context, fiber_entry, 0);
   }
+  unsigned long long round = 0;  // seeds the order of each pass
   for (unsigned long long phase = 0;; ++phase) {
-    for (unsigned int t : permutation(n, spec.order, block_seed + phase)) {
-      fiber = &grid->fibers[t];
-      swapcontext(&grid->scheduler, &fiber->context);
+    // Every ready thread runs until it waits or returns; warps whose threads all wait at a
+    // shuffle exchange and run again, until none does.
+    for (int released = 1; released > 0;) {
+      for (unsigned int t : permutation(n, spec.order, block_seed + round++)) {
+        if (grid->fibers[t].state != Fiber::kReady) continue;
+        fiber = &grid->fibers[t];
+        enter(fiber);
+      }
+      fiber = nullptr;
+      released = exchange_warps();
+      if (released < 0) return false;
     }
-    fiber = nullptr;
-    unsigned int done = 0, kinds[2] = {0, 0};
+    unsigned int done = 0, kinds[3] = {0, 0, 0};
     int any = 0;
     for (const Fiber& f : grid->fibers) {
       if (f.state == Fiber::kDone) {
@@ -158,6 +310,14 @@ inline bool run_block(const LaunchSpec& spec, unsigned long long block_seed) {
       }
     }
     if (done == n) return true;
+    if (kinds[kShuffle] != 0) {
+      grid->error = "block " + std::to_string(grid->block.x) + ", barrier " +
+                    std::to_string(phase) + ": " + std::to_string(kinds[kShuffle]) +
+                    " threads wait at __shfl_xor_sync for threads of their warp that " +
+                    std::to_string(done) + " returned, " + std::to_string(kinds[0] + kinds[1]) +
+                    " wait at a block barrier (a warp's 32 threads must all reach it)";
+      return false;
+    }
     if (done != 0 || (kinds[0] != 0 && kinds[1] != 0)) {
       grid->error = "block " + std::to_string(grid->block.x) + ", barrier " +
                     std::to_string(phase) + ": " + std::to_string(done) + " threads returned, " +
@@ -214,6 +374,7 @@ int launch(void (*kernel)(Params...), const LaunchSpec& spec, void* const* args,
     state.fibers.resize(spec.block);
     state.body = call_body<decltype(body)>;
     state.body_argument = &body;
+    state.fast = AMP_EMU_FAST_SWITCH && !shadow_stack();
     if (stacks.size() < spec.block * kStackBytes) stacks.resize(spec.block * kStackBytes);
     grid = &state;
 #if AMP_EMU_HAS_FTZ
@@ -309,6 +470,24 @@ using amp_emu::ptx::c;
 
 inline void __syncthreads() { ::amp_emu::barrier(0, 0); }
 inline int __syncthreads_or(int predicate) { return ::amp_emu::barrier(1, predicate != 0); }
+
+// Warp shuffles over the full warp (see the header's comment); 4-byte values as CUDA has them.
+inline unsigned int __shfl_xor_sync(unsigned int mask, unsigned int var, int laneMask,
+                                    int width = 32) {
+  return ::amp_emu::shuffle_xor(mask, var, laneMask, width);
+}
+inline int __shfl_xor_sync(unsigned int mask, int var, int laneMask, int width = 32) {
+  return static_cast<int>(
+      ::amp_emu::shuffle_xor(mask, static_cast<unsigned int>(var), laneMask, width));
+}
+inline float __shfl_xor_sync(unsigned int mask, float var, int laneMask, int width = 32) {
+  unsigned int bits;
+  memcpy(&bits, &var, sizeof(bits));
+  bits = ::amp_emu::shuffle_xor(mask, bits, laneMask, width);
+  float out;
+  memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 inline unsigned int __float_as_uint(float x) {
   unsigned int bits;
