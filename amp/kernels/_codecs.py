@@ -14,8 +14,11 @@ CUDA source (multi_tensor.cu) follows operation by operation, so the two agree b
   denominator would be eps alone). FlashOptim's companders (arXiv 2602.23349).
 - A bf16 moment: round to nearest even.
 
-Every float operation here rounds once (no fused multiply-add): the CUDA source uses the `_rn`
-intrinsics in the same order.
+Every float operation here rounds once (no fused multiply-add) and correctly: the CUDA source
+uses the `_rn` intrinsics in the same order. Two of torch's float32 operations are not correctly
+rounded, and are taken another way: a square root on the CPU (MKL's, an ulp off for some values;
+float64's rounded to float32 is), and a division by a Python scalar on CUDA (a multiply by its
+reciprocal there; by a 0-dim tensor it divides).
 """
 
 import torch
@@ -92,7 +95,7 @@ def signed_encode(values):
 
 def signed_decode(codes, scales):
     """The FP32 values of signed_encode's codes and scales, in the codes' shape."""
-    z = blocks(codes.float()) / 127.0
+    z = blocks(codes.float()) / _constant(127.0, codes)
     y = z / (2.0 - z.abs())
     return _unblock(y * scales.view(-1, 1), codes)
 
@@ -100,7 +103,7 @@ def signed_decode(codes, scales):
 def unsigned_encode(values):
     """(uint8 codes, fp32 scales per block) of non-negative values: their square roots, linear
     onto 0..255, a positive value at least code 1."""
-    roots = blocks(values.float()).sqrt()
+    roots = blocks(values.float()).double().sqrt().float()  # correctly rounded (module doc)
     scales, divisor = _scales(roots)
     y = roots / divisor
     codes = torch.round(y * 255.0)
@@ -110,8 +113,13 @@ def unsigned_encode(values):
 
 def unsigned_decode(codes, scales):
     """The FP32 values of unsigned_encode's codes and scales, in the codes' shape."""
-    roots = (blocks(codes.float()) / 255.0) * scales.view(-1, 1)
+    roots = (blocks(codes.float()) / _constant(255.0, codes)) * scales.view(-1, 1)
     return _unblock(roots * roots, codes)
+
+
+def _constant(value, like):
+    """A float32 0-dim tensor on `like`'s device: a divisor torch divides by (module doc)."""
+    return torch.full((), value, dtype=torch.float32, device=like.device)
 
 
 def _unblock(rows, like):

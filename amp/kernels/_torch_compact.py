@@ -5,8 +5,9 @@ Each tensor is stepped in pieces of at most PIECE elements (a multiple of the mo
 the piece's master, moments and unscaled gradient are made FP32, torch's own fused op steps
 them, and they are written back in their compact forms. The FP32 temporaries of one piece are
 all the step holds beyond the state, so its peak does not grow with the model. Where the
-overflow flag is set, torch's op changes nothing and the written-back forms are the old ones
-(an 8-bit moment is taken from before, not encoded again), so a skipped step changes no bit.
+overflow flag is set, torch's op changes nothing and every form written back is selected from
+before (not encoded again: an inf weight's correction, a NaN's payload, a low copy another
+writer made stay as they were), so a skipped step changes no bit.
 """
 
 import torch
@@ -57,7 +58,7 @@ def adam_step_(
                 maximize=False,
                 found_inf=found_inf,
             )
-            master.write_back()
+            master.write_back(found_inf)
             m.write_back(found_inf)
             v.write_back(found_inf)
     if found_inf is not None:
@@ -88,7 +89,7 @@ def sgd_step_(grads, masters, buffers, lows, corrections, scales, inv_scale, fou
                 is_first_step=bool(options.get("first_step", False)),
                 found_inf=found_inf,
             )
-            master.write_back()
+            master.write_back(found_inf)
             if buffer is not None:
                 buffer.write_back(found_inf)
 
@@ -109,8 +110,11 @@ def _unscaled(grad, piece, inv_scale):
     return values if inv_scale is None else values.mul_(inv_scale)
 
 
-def _write(tensor, piece, values):
-    """tensor.flat[piece] = values, for a contiguous tensor or one written back whole."""
+def _write(tensor, piece, values, found_inf=None):
+    """tensor.flat[piece] = values, for a contiguous tensor or one written back whole; where
+    `found_inf` is set, the old values (a select: no sync)."""
+    if found_inf is not None:
+        values = torch.where(found_inf != 0, _flat(tensor)[piece], values)
     if tensor.is_contiguous():
         tensor.view(-1)[piece].copy_(values)
     else:
@@ -136,18 +140,17 @@ class _Master:
                 _flat(self.low)[piece], self.correction.view(-1)[piece]
             )
 
-    def write_back(self):
-        """The stepped values into the master's forms (unchanged where the step was skipped:
-        decoding and encoding again gives the same bits)."""
+    def write_back(self, found_inf):
+        """The stepped values into the master's forms (the old ones where `found_inf` is set)."""
         if self.correction is None:
             if not self.master.is_contiguous():
-                _write(self.master, self.piece, self.fp32)
+                _write(self.master, self.piece, self.fp32)  # unchanged by a skipped step
             if self.low is not None:
-                _write(self.low, self.piece, self.fp32.to(self.low.dtype))
+                _write(self.low, self.piece, self.fp32.to(self.low.dtype), found_inf)
             return
         low, correction = _codecs.compact_encode(self.fp32)
-        _write(self.low, self.piece, low)
-        self.correction.view(-1)[self.piece].copy_(correction)
+        _write(self.low, self.piece, low, found_inf)
+        _write(self.correction, self.piece, correction, found_inf)
 
 
 class _Moment:
@@ -173,8 +176,8 @@ class _Moment:
             if not held.is_contiguous():  # stepped in a copy
                 _write(held, piece, self.fp32)
             return
-        if self.scales is None:  # bf16: a skipped piece upcast and cast back is the same bits
-            _write(held, piece, self.fp32.to(held.dtype))
+        if self.scales is None:  # bf16
+            _write(held, piece, self.fp32.to(held.dtype), found_inf)
             return
         encode = _codecs.signed_encode if self.signed else _codecs.unsigned_encode
         codes, scales = encode(self.fp32)

@@ -191,7 +191,13 @@ def test_pieces_change_nothing(monkeypatch, moments, one_thread):
 
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
 def test_a_skipped_step_changes_no_bit(moments):
+    """Nor one that encoding again would change: an inf weight's correction, a NaN's payload."""
     state = compact_state([64, 300], moments)
+    low = state["lows"][0].view(-1).view(torch.int16)
+    low[:2] = torch.tensor([0x7F80, 0x7F85], dtype=torch.int16)  # inf, a NaN with a payload
+    state["corrections"][0].view(-1)[:2] = 5
+    if moments == "bf16":
+        state["m"][0].view(-1).view(torch.int16)[0] = 0x7FA1
     assert_same(adam(state, found=1.0), state)
 
 

@@ -2,19 +2,13 @@
 the CPU: tests/helpers/cuda_emulation) behind the CuPy backend's host code, bit for bit against
 the torch backend (amp/kernels/_torch_compact.py), the oracle.
 
-Two things of torch's CPU ops are held fixed so that the oracle is exact, as the fused steps'
-tests hold them (tests/kernels/test_fused_step.py):
-- torch's fused CPU ops round the elements of their scalar loop (past the last whole vector of a
-  thread's range) differently from their vector body, which the kernels follow: the oracle runs
-  on one thread with every row padded with zeros to whole vectors. Zeros stepped stay zeros, so
-  the padding changes no value, code or scale of the rows' own elements.
-- torch's float32 `sqrt` on the CPU (MKL's vector sqrt) is within an ulp but not correctly
-  rounded; the unsigned moment's encoding (`_codecs.unsigned_encode`) takes square roots with it.
-  The kernels take them with sqrt.rn, as torch's CUDA sqrt does; the oracle runs with the sqrt of
-  float32 tensors rounded from float64's (correctly rounded: 53 >= 2 * 24 + 2 bits).
+torch's fused CPU ops round the elements of their scalar loop (past the last whole vector of a
+thread's range) differently from their vector body, which the kernels follow: the oracle runs on
+one thread with every row padded with zeros to whole vectors, as the fused steps' tests hold it
+(tests/kernels/test_fused_step.py). Zeros stepped stay zeros, so the padding changes no value,
+code or scale of the rows' own elements.
 """
 
-import contextlib
 import sys
 
 import pytest
@@ -191,24 +185,9 @@ def _padded(tensor, numel):
     return torch.cat([flat, flat.new_zeros(numel - flat.numel())])
 
 
-@contextlib.contextmanager
-def correctly_rounded_sqrt():
-    """torch's float32 sqrt on the CPU, rounded from float64's (see the module doc)."""
-    sqrt = torch.Tensor.sqrt
-
-    def rounded_once(self):
-        return sqrt(self.double()).float() if self.dtype is torch.float32 else sqrt(self)
-
-    torch.Tensor.sqrt = rounded_once
-    try:
-        yield
-    finally:
-        torch.Tensor.sqrt = sqrt
-
-
 def oracle(run, state, *args, **kwargs):
-    """run(_torch_backend, state, ...) with its torch ops' vector body everywhere and correctly
-    rounded square roots (see the module doc), on one thread (as every test here runs)."""
+    """run(_torch_backend, state, ...) with its torch ops' vector body everywhere (see the module
+    doc), on one thread (as every test here runs)."""
     sizes = [g.numel() for g in state["grads"]]
     whole = [-(-n // VECTOR) * VECTOR for n in sizes]
     padded = dict(state)
@@ -224,8 +203,7 @@ def oracle(run, state, *args, **kwargs):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with correctly_rounded_sqrt():
-            stepped = run(_torch_backend, padded, *args, **kwargs)
+        stepped = run(_torch_backend, padded, *args, **kwargs)
     finally:
         torch.set_num_threads(threads)
     out = dict(stepped)
@@ -342,8 +320,8 @@ def test_a_skipped_compact_sgd_step_changes_no_bit(forward_kernel, moments, mast
 
 def test_rows_no_compact_kernel_takes_go_to_the_torch_backend(forward_kernel):
     """A weight not contiguous, fp16 moments, moments of two kinds in a row: the torch backend
-    steps those rows, the kernels the others, in one call (sizes of whole vectors and the sqrt
-    the oracle takes, for the rows the torch backend steps)."""
+    steps those rows, the kernels the others, in one call (sizes of whole vectors, for the rows
+    the torch backend steps)."""
     state = make_state([64, 96, 32, 48, 96], "compact", "int8", torch.bfloat16)
     state["lows"][1] = state["lows"][1].view(8, 12).t().contiguous().t()  # the same values
     state["v"][2] = kernels.moment_decode(state["v"][2], state["v_scales"][2])  # FP32 and codes
@@ -351,8 +329,7 @@ def test_rows_no_compact_kernel_takes_go_to_the_torch_backend(forward_kernel):
     for key in ("m", "v"):
         state[key][3] = kernels.moment_decode(state[key][3], state[f"{key}_scales"][3]).half()
         state[f"{key}_scales"][3] = None
-    with correctly_rounded_sqrt():
-        stepped = run_adam(forward_kernel, state)
+    stepped = run_adam(forward_kernel, state)
     assert forward_kernel.launched() == [
         "amp_compact_adam<__nv_bfloat16, amp::Compact, amp::Codes8>",
         "amp_compact_count_steps",
@@ -399,9 +376,8 @@ def test_the_packed_launches_are_kept_and_follow_new_gradients_and_moved_data(fo
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("moments", MOMENTS)
 def test_on_a_gpu_the_compact_kernels_are_the_cpu_oracle_bit_for_bit(moments, master):
-    """The CuPy backend on CUDA tensors against the torch backend on the CPU: on CUDA, torch's
-    ops round the codecs differently (a division by a Python scalar is a multiply by its
-    reciprocal there), the kernels as on the CPU."""
+    """The CuPy backend on CUDA tensors against the torch backend on the CPU (whose fused ops'
+    vector body the oracle holds)."""
     choice = kernels.cuda_backend()
     assert choice.name == "cupy", f"the CuPy backend is not in use: {choice.reason}"
 
