@@ -6,7 +6,8 @@ transformer (benchmarks/workloads.py's memory workload), bf16, AdamW.
                                         [--tiny]
 
 Variants: torch.autocast + GradScaler (the reference), amp O2 (FP32 masters), amp O2 compact
-(master_weights="compact"), amp O2 compact int8 (and optimizer_state="int8"). "Between steps"
+(master_weights="compact"), amp O2 compact int8 (and optimizer_state="int8"), amp O2 bf16 no
+masters (master_weights=False: compact_accuracy.py's control). "Between steps"
 is what is live when a step starts: the model, the masters and corrections, the optimizer's
 state (activations and gradients are gone: every variant zeroes with set_to_none=True).
 """
@@ -22,7 +23,13 @@ import workloads  # noqa: E402
 from harness import print_table  # noqa: E402
 from step_costs import memory  # noqa: E402
 
-NAMES = ("torch.autocast", "amp O2", "amp O2 compact", "amp O2 compact int8")
+NAMES = (
+    "torch.autocast",
+    "amp O2",
+    "amp O2 compact",
+    "amp O2 compact int8",
+    "amp O2 bf16 no masters",
+)
 
 
 def rows(workload, optimizer, device="cpu"):
