@@ -11,7 +11,12 @@ CUDA source (multi_tensor.cu) follows operation by operation, so the two agree b
   scale each, the block's largest magnitude). A signed moment (Adam's first, SGD's momentum) is
   companded by softsign, 2y / (1 + |y|), onto -127..127; an unsigned one (Adam's second) is
   stored as its square root, linear onto 0..255, and a positive value never takes code 0 (its
-  denominator would be eps alone). FlashOptim's companders (arXiv 2602.23349).
+  denominator would be eps alone). FlashOptim's companders (arXiv 2602.23349). In a step, the
+  unsigned code is rounded stochastically (`dither`): Adam's second moment moves by 1 - beta2 =
+  0.1% a step, less than a code, so rounding to nearest would hold it where it is (an EMA stuck
+  high, or at the floor) while stochastic rounding follows it on average. The random bits are a
+  hash of the element's index and the step count: a resumed run draws the same ones, and the
+  CUDA kernel computes them as here.
 - A bf16 moment: round to nearest even.
 
 Every float operation here rounds once (no fused multiply-add) and correctly: the CUDA source
@@ -31,6 +36,7 @@ __all__ = [
     "signed_decode",
     "unsigned_encode",
     "unsigned_decode",
+    "dither",
     "blocks",
 ]
 
@@ -100,15 +106,38 @@ def signed_decode(codes, scales):
     return _unblock(y * scales.view(-1, 1), codes)
 
 
-def unsigned_encode(values):
+def unsigned_encode(values, step=None, start=0):
     """(uint8 codes, fp32 scales per block) of non-negative values: their square roots, linear
-    onto 0..255, a positive value at least code 1."""
+    onto 0..255, a positive value at least code 1. Rounded to nearest; or, given the `step`
+    count (a 0-dim tensor), stochastically by dither(start, ..., step): `values` are the elements
+    from flat index `start` of their moment."""
     roots = blocks(values.float()).double().sqrt().float()  # correctly rounded (module doc)
     scales, divisor = _scales(roots)
     y = roots / divisor
-    codes = torch.round(y * 255.0)
+    if step is None:
+        codes = torch.round(y * 255.0)
+    else:
+        noise = dither(start, roots.numel(), step).view(roots.shape)
+        codes = torch.floor((y * 255.0) + noise).clamp_(max=255.0)
     codes = torch.where((roots > 0) & (codes == 0), 1.0, codes)
     return _unblock(codes.to(torch.uint8), values), scales.view(-1)
+
+
+_MASK = 0xFFFFFFFF
+
+
+def dither(start, count, step):
+    """Uniform float32 values in [0, 1), multiples of 2**-16: for flat indices start..start+count
+    at `step` (a 0-dim tensor holding an integer), the high 16 bits of a 32-bit hash of both
+    (integer products stay below 2**63: int64 holds them exactly, as uint32 arithmetic wraps)."""
+    index = torch.arange(start, start + count, dtype=torch.int64, device=step.device) & _MASK
+    x = index ^ ((step.to(torch.int64) * 0x61C88647) & _MASK)
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK
+    x = x ^ (x >> 16)
+    return (x >> 16).to(torch.float32) * 2.0**-16
 
 
 def unsigned_decode(codes, scales):

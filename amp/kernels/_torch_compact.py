@@ -42,6 +42,7 @@ def adam_step_(
             master = _Master(masters, lows, corrections, i, piece)
             m = _Moment(exp_avgs[i], None if m_scales is None else m_scales[i], True, piece)
             v = _Moment(exp_avg_sqs[i], None if v_scales is None else v_scales[i], False, piece)
+            v.step = steps[i]  # its codes are rounded stochastically (_codecs.dither)
             step(
                 [master.fp32],
                 [_unscaled(grad, piece, inv_scale)],
@@ -159,6 +160,7 @@ class _Moment:
 
     def __init__(self, held, scales, signed, piece):
         self.held, self.scales, self.signed, self.piece = held, scales, signed, piece
+        self.step = None
         flat = _flat(held)[piece]
         if held.dtype is torch.float32:
             self.fp32 = flat
@@ -179,8 +181,10 @@ class _Moment:
         if self.scales is None:  # bf16
             _write(held, piece, self.fp32.to(held.dtype), found_inf)
             return
-        encode = _codecs.signed_encode if self.signed else _codecs.unsigned_encode
-        codes, scales = encode(self.fp32)
+        if self.signed:
+            codes, scales = _codecs.signed_encode(self.fp32)
+        else:
+            codes, scales = _codecs.unsigned_encode(self.fp32, self.step, piece.start)
         old_codes, old_scales = held.view(-1)[piece], self.scales[self.blocks]
         if found_inf is not None:  # a skipped step keeps the codes it had (no sync: a select)
             skipped = found_inf != 0

@@ -428,14 +428,27 @@ __device__ __forceinline__ float unsigned_decode(unsigned char code, float scale
   return mul_rn(root, root);
 }
 
-// As signed_encode, over the square roots (the scale is the largest root); a positive value is
-// never code 0.
-__device__ __forceinline__ unsigned char unsigned_encode(float value, float& scale) {
+// Uniform in [0, 1), a multiple of 2**-16: the high 16 bits of a hash of element `index` of its
+// tensor and the step count (_codecs.dither's, whose int64 arithmetic this uint32 one wraps as).
+__device__ __forceinline__ float dither(long long index, unsigned int step) {
+  unsigned int x = static_cast<unsigned int>(index) ^ (step * 0x61C88647u);
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x2C1B3C6Du;
+  x ^= x >> 16;
+  return static_cast<float>(x >> 16) * 1.52587890625e-05f;  // 2**-16, exact
+}
+
+// As signed_encode, over the square roots (the scale is the largest root), rounded
+// stochastically by `noise` (dither's); a positive value is never code 0.
+__device__ __forceinline__ unsigned char unsigned_encode(float value, float noise, float& scale) {
   const float root = sqrt_rn(value);
   const unsigned int scale_bits = warp_max(__float_as_uint(root) & 0x7fffffffu);
   scale = __uint_as_float(scale_bits);
   const float y = div_rn(root, block_divisor(scale_bits));
-  int code = static_cast<int>(rintf(mul_rn(y, 255.0f)));
+  int code = static_cast<int>(floorf(add_rn(mul_rn(y, 255.0f), noise)));
+  if (code > 255) code = 255;
   const unsigned int root_bits = __float_as_uint(root);
   if (code == 0 && root_bits != 0u && root_bits <= 0x7f800000u) code = 1;  // root > 0
   return static_cast<unsigned char>(code);
@@ -480,9 +493,11 @@ template <typename L> struct MasterList<Exact<L>> {
 
 // A chunk's moment in a compact step: FP32 or bf16 as held, or 8-bit codes (softsign where
 // Signed, else square roots) with their blocks' scales. Element i's block is `block` (i / 32).
+// `step`: the step count, which dithers the second moment's codes (unsigned_encode).
 template <typename Moment, bool Signed> struct MomentList {  // Moment: float or __nv_bfloat16
   Moment* held;
-  __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long, long long first)
+  __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long, long long first,
+                                        unsigned int = 0u)
       : held(list != 0 ? reinterpret_cast<Moment*>(list) + first : nullptr) {}
   __device__ __forceinline__ float load(long long i, long long) const {
     return to_float<Moment>(held[i]);
@@ -497,7 +512,7 @@ template <> struct MomentList<Codes8, true> {
   signed char* codes;
   float* scales;
   __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long scale_list,
-                                        long long first)
+                                        long long first, unsigned int = 0u)
       : codes(list != 0 ? reinterpret_cast<signed char*>(list) + first : nullptr),
         scales(scale_list != 0 ? reinterpret_cast<float*>(scale_list) + first / kWarp : nullptr) {}
   __device__ __forceinline__ float load(long long i, long long block) const {
@@ -517,17 +532,21 @@ template <> struct MomentList<Codes8, true> {
 template <> struct MomentList<Codes8, false> {
   unsigned char* codes;
   float* scales;
+  long long first;  // the chunk's first element in its tensor, and the step: the dither's key
+  unsigned int step;
   __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long scale_list,
-                                        long long first)
+                                        long long first, unsigned int step = 0u)
       : codes(list != 0 ? reinterpret_cast<unsigned char*>(list) + first : nullptr),
-        scales(scale_list != 0 ? reinterpret_cast<float*>(scale_list) + first / kWarp : nullptr) {}
+        scales(scale_list != 0 ? reinterpret_cast<float*>(scale_list) + first / kWarp : nullptr),
+        first(first),
+        step(step) {}
   __device__ __forceinline__ float load(long long i, long long block) const {
     return unsigned_decode(codes[i], scales[block]);
   }
   __device__ __forceinline__ void store(long long i, long long block, bool in, bool leader,
                                         float value) const {
     float scale;
-    const unsigned char code = unsigned_encode(value, scale);
+    const unsigned char code = unsigned_encode(value, dither(first + i, step), scale);
     if (in) codes[i] = code;
     if (leader) scales[block] = scale;
   }
@@ -743,7 +762,8 @@ amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, co
     const G* grad = reinterpret_cast<const G*>(meta.ptr[0][t]) + first;
     const amp::MasterList<Master> master(meta.ptr[1][t], meta.ptr[2][t], first);
     const amp::MomentList<Moment, true> exp_avg(meta.ptr[3][t], meta.ptr[5][t], first);
-    const amp::MomentList<Moment, false> exp_avg_sq(meta.ptr[4][t], meta.ptr[6][t], first);
+    const amp::MomentList<Moment, false> exp_avg_sq(meta.ptr[4][t], meta.ptr[6][t], first,
+                                                     static_cast<unsigned int>(step));
     for (long long base = warp_first; base < n; base += amp::kBlock) {  // the same in a warp
       const long long i = base + lane, block = base / amp::kWarp;
       const bool in = i < n;

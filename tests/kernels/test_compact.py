@@ -160,7 +160,8 @@ def reference_adam(state, inv=2.0**-10):
             out["m"][i], out["v"][i] = m.to(state["m"][i].dtype), v.to(state["v"][i].dtype)
         else:
             (out["m"][i], out["scales"][0][i]) = kernels.moment_encode(m, True)
-            (out["v"][i], out["scales"][1][i]) = kernels.moment_encode(v, False)
+            # the second moment's codes rounded stochastically, by the step's dither
+            (out["v"][i], out["scales"][1][i]) = _codecs.unsigned_encode(v, step)
     return out
 
 
@@ -173,6 +174,53 @@ def assert_same(a, b):
             assert torch.equal(
                 bits(x) if x.is_floating_point() else x, bits(y) if y.is_floating_point() else y
             ), key
+
+
+def test_a_steps_second_moment_codes_round_stochastically_by_index_and_step():
+    """Within a step, the unsigned codes are rounded stochastically: the same bits for the same
+    (index, step), a piece from `start` as the slice of the whole, others at another step, and
+    unbiased: over many steps a value between two codes averages to where it lies."""
+    roots = torch.full((4096,), 0.3 / 255.0 + 20 / 255.0)  # 20.3 codes below the block maximum
+    roots[::32] = 1.0  # each block's maximum, code 255
+    values = roots.square()
+    step = torch.tensor(7.0)
+    codes, _ = _codecs.unsigned_encode(values, step)
+    assert torch.equal(codes, _codecs.unsigned_encode(values, step)[0])
+    assert torch.equal(codes[1024:], _codecs.unsigned_encode(values[1024:], step, 1024)[0])
+    assert not torch.equal(codes, _codecs.unsigned_encode(values, torch.tensor(8.0))[0])
+    held = roots != 1.0
+    assert set(codes[held].unique().tolist()) == {20, 21}
+    means = torch.stack(
+        [_codecs.unsigned_encode(values, torch.tensor(float(s)))[0][held].float() for s in range(64)]
+    ).mean(0)
+    assert abs(means.mean().item() - 20.3) < 0.01  # unbiased over elements and steps
+    assert abs(means[0].item() - 20.3) < 0.2  # and over the steps of one element
+    nearest = _codecs.unsigned_encode(values)[0]
+    assert set(nearest[held].unique().tolist()) == {20}  # without a step: to nearest
+
+
+def test_an_8_bit_second_moment_follows_its_ema_where_rounding_to_nearest_sticks():
+    """Adam's second moment, encoded every step, as the small gradients' squares fall 4x beside
+    a steady large one (which sets their blocks' scale): stochastic rounding follows the exact
+    EMA, rounding to nearest stays where it was (the reason for it)."""
+    generator = torch.Generator().manual_seed(0)
+    squares = torch.rand(32 * 64, generator=generator) * 1e-2
+    squares[::32] = 1.0  # a large element in each block: the others are a few codes of it
+    exact = squares.clone()
+    held = {"nearest": kernels.moment_encode(squares, False), "stochastic": None}
+    held["stochastic"] = held["nearest"]
+    beta2 = 0.999
+    for step in range(1, 1001):
+        new = torch.where(squares < 1.0, squares / 4, squares)
+        exact = exact * beta2 + new * (1 - beta2)
+        for name, (codes, scales) in held.items():
+            v = kernels.moment_decode(codes, scales) * beta2 + new * (1 - beta2)
+            stepped = torch.tensor(float(step)) if name == "stochastic" else None
+            held[name] = _codecs.unsigned_encode(v, stepped)
+    small = squares < 1.0
+    for name, expected in (("stochastic", (0.9, 1.1)), ("nearest", (1.3, float("inf")))):
+        ratio = (kernels.moment_decode(*held[name])[small] / exact[small]).median().item()
+        assert expected[0] < ratio < expected[1], (name, ratio)
 
 
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
