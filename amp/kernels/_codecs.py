@@ -15,8 +15,8 @@ CUDA source (multi_tensor.cu) follows operation by operation, so the two agree b
   unsigned code is rounded stochastically (`dither`): Adam's second moment moves by 1 - beta2 =
   0.1% a step, less than a code, so rounding to nearest would hold it where it is (an EMA stuck
   high, or at the floor) while stochastic rounding follows it on average. The random bits are a
-  hash of the element's index and the step count: a resumed run draws the same ones, and the
-  CUDA kernel computes them as here.
+  hash of the element's index and one of the step count: a resumed run draws the same ones, and
+  the CUDA kernel computes them as here.
 - A bf16 moment: round to nearest even.
 
 Every float operation here rounds once (no fused multiply-add) and correctly: the CUDA source
@@ -124,20 +124,35 @@ def unsigned_encode(values, step=None, start=0):
 
 
 _MASK = 0xFFFFFFFF
+_PERIOD = 1 << 16  # the dither of a moment's elements repeats every 2**16 of them
+_DITHER_BITS = {}  # device -> int32 [_PERIOD]: the high 16 bits of each index's hash
 
 
-def dither(start, count, step):
-    """Uniform float32 values in [0, 1), multiples of 2**-16: for flat indices start..start+count
-    at `step` (a 0-dim tensor holding an integer), the high 16 bits of a 32-bit hash of both
-    (integer products stay below 2**63: int64 holds them exactly, as uint32 arithmetic wraps)."""
-    index = torch.arange(start, start + count, dtype=torch.int64, device=step.device) & _MASK
-    x = index ^ ((step.to(torch.int64) * 0x61C88647) & _MASK)
+def _mix(x):
+    """A 32-bit hash of int64 values below 2**32 (products stay below 2**63: exact in int64,
+    as uint32 arithmetic wraps them on the GPU)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK
     x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & _MASK
-    x = x ^ (x >> 16)
-    return (x >> 16).to(torch.float32) * 2.0**-16
+    return x ^ (x >> 16)
+
+
+def dither(start, count, step):
+    """Uniform float32 values in [0, 1), multiples of 2**-16, for flat indices start..start+count
+    at `step` (a 0-dim tensor holding an integer): the high 16 bits of a hash of the index (modulo
+    _PERIOD, from a table made once per device) xor those of a hash of the step."""
+    device = step.device
+    table = _DITHER_BITS.get(device)
+    if table is None:
+        index = torch.arange(_PERIOD, dtype=torch.int64, device=device)
+        table = _DITHER_BITS[device] = (_mix(index) >> 16).to(torch.int32)
+    salt = (_mix((step.to(torch.int64) * 0x61C88647) & _MASK) >> 16).to(torch.int32)
+    offset = start % _PERIOD
+    if offset:
+        table = table.roll(-offset)
+    bits = table.repeat(-(-count // _PERIOD))[:count]
+    return (bits ^ salt).to(torch.float32) * 2.0**-16
 
 
 def unsigned_decode(codes, scales):

@@ -428,16 +428,21 @@ __device__ __forceinline__ float unsigned_decode(unsigned char code, float scale
   return mul_rn(root, root);
 }
 
-// Uniform in [0, 1), a multiple of 2**-16: the high 16 bits of a hash of element `index` of its
-// tensor and the step count (_codecs.dither's, whose int64 arithmetic this uint32 one wraps as).
-__device__ __forceinline__ float dither(long long index, unsigned int step) {
-  unsigned int x = static_cast<unsigned int>(index) ^ (step * 0x61C88647u);
+// A 32-bit hash (_codecs._mix's, whose int64 arithmetic this uint32 one wraps as).
+__device__ __forceinline__ unsigned int mix(unsigned int x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x2C1B3C6Du;
-  x ^= x >> 16;
-  return static_cast<float>(x >> 16) * 1.52587890625e-05f;  // 2**-16, exact
+  return x ^ (x >> 16);
+}
+
+// Uniform in [0, 1), a multiple of 2**-16 (_codecs.dither's): the high 16 bits of the hash of
+// element `index` of its tensor (modulo 2**16) xor those of the hash of the step count.
+__device__ __forceinline__ float dither(long long index, unsigned int step) {
+  const unsigned int bits =
+      (mix(static_cast<unsigned int>(index & 0xFFFF)) >> 16) ^ (mix(step * 0x61C88647u) >> 16);
+  return static_cast<float>(bits) * 1.52587890625e-05f;  // 2**-16, exact
 }
 
 // As signed_encode, over the square roots (the scale is the largest root), rounded
