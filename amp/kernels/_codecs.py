@@ -17,7 +17,8 @@ CUDA source (multi_tensor.cu) follows operation by operation, so the two agree b
   high, or at the floor) while stochastic rounding follows it on average. The random bits are a
   hash of the element's index and one of the step count: a resumed run draws the same ones, and
   the CUDA kernel computes them as here.
-- A bf16 moment: round to nearest even.
+- A bf16 moment: round to nearest even; Adam's second moment in a step stochastically, as its
+  8-bit code (bf16's 8 bits of precision are coarser than its 0.1% a step too).
 
 Every float operation here rounds once (no fused multiply-add) and correctly: the CUDA source
 uses the `_rn` intrinsics in the same order. Two of torch's float32 operations are not correctly
@@ -37,6 +38,8 @@ __all__ = [
     "unsigned_encode",
     "unsigned_decode",
     "dither",
+    "dither_bits",
+    "bf16_stochastic",
     "blocks",
 ]
 
@@ -139,9 +142,14 @@ def _mix(x):
 
 
 def dither(start, count, step):
-    """Uniform float32 values in [0, 1), multiples of 2**-16, for flat indices start..start+count
-    at `step` (a 0-dim tensor holding an integer): the high 16 bits of a hash of the index (modulo
-    _PERIOD, from a table made once per device) xor those of a hash of the step."""
+    """Uniform float32 values in [0, 1), multiples of 2**-16: dither_bits / 2**16."""
+    return dither_bits(start, count, step).to(torch.float32) * 2.0**-16
+
+
+def dither_bits(start, count, step):
+    """16 random bits (int32 0..65535) for flat indices start..start+count at `step` (a 0-dim
+    tensor holding an integer): the high 16 bits of a hash of the index (modulo _PERIOD, from a
+    table made once per device) xor those of a hash of the step."""
     device = step.device
     table = _DITHER_BITS.get(device)
     if table is None:
@@ -151,8 +159,16 @@ def dither(start, count, step):
     offset = start % _PERIOD
     if offset:
         table = table.roll(-offset)
-    bits = table.repeat(-(-count // _PERIOD))[:count]
-    return (bits ^ salt).to(torch.float32) * 2.0**-16
+    return table.repeat(-(-count // _PERIOD))[:count] ^ salt
+
+
+def bf16_stochastic(values, step, start=0):
+    """Non-negative FP32 `values` (elements from flat index `start` of a second moment) rounded
+    to bf16 stochastically: dither_bits added to the low 16 bits, then cut (see the module doc:
+    a bf16 second moment rounded to nearest stays stuck as an 8-bit one does)."""
+    bits = values.contiguous().view(-1).view(torch.int32)
+    high = (bits + dither_bits(start, bits.numel(), step)) >> 16
+    return high.to(torch.int16).view(torch.bfloat16).view(values.shape)
 
 
 def unsigned_decode(codes, scales):

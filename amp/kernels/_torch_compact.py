@@ -178,8 +178,12 @@ class _Moment:
             if not held.is_contiguous():  # stepped in a copy
                 _write(held, piece, self.fp32)
             return
-        if self.scales is None:  # bf16
-            _write(held, piece, self.fp32.to(held.dtype), found_inf)
+        if self.scales is None:  # bf16: a second moment rounded stochastically in a step
+            if self.step is None:
+                values = self.fp32.to(held.dtype)
+            else:
+                values = _codecs.bf16_stochastic(self.fp32, self.step, piece.start)
+            _write(held, piece, values, found_inf)
             return
         if self.signed:
             codes, scales = _codecs.signed_encode(self.fp32)

@@ -437,12 +437,20 @@ __device__ __forceinline__ unsigned int mix(unsigned int x) {
   return x ^ (x >> 16);
 }
 
-// Uniform in [0, 1), a multiple of 2**-16 (_codecs.dither's): the high 16 bits of the hash of
-// element `index` of its tensor (modulo 2**16) xor those of the hash of the step count.
+// 16 random bits (_codecs.dither_bits'): the high 16 bits of the hash of element `index` of its
+// tensor (modulo 2**16) xor those of the hash of the step count.
+__device__ __forceinline__ unsigned int dither_bits(long long index, unsigned int step) {
+  return (mix(static_cast<unsigned int>(index & 0xFFFF)) >> 16) ^ (mix(step * 0x61C88647u) >> 16);
+}
+
+// Uniform in [0, 1), a multiple of 2**-16 (_codecs.dither's).
 __device__ __forceinline__ float dither(long long index, unsigned int step) {
-  const unsigned int bits =
-      (mix(static_cast<unsigned int>(index & 0xFFFF)) >> 16) ^ (mix(step * 0x61C88647u) >> 16);
-  return static_cast<float>(bits) * 1.52587890625e-05f;  // 2**-16, exact
+  return static_cast<float>(dither_bits(index, step)) * 1.52587890625e-05f;  // 2**-16, exact
+}
+
+// A non-negative value to bf16, rounded stochastically by 16 random bits (_codecs.bf16_stochastic).
+__device__ __forceinline__ __nv_bfloat16 bf16_stochastic(float value, unsigned int bits) {
+  return __ushort_as_bfloat16(static_cast<unsigned short>((__float_as_uint(value) + bits) >> 16));
 }
 
 // As signed_encode, over the square roots (the scale is the largest root), rounded
@@ -510,6 +518,24 @@ template <typename Moment, bool Signed> struct MomentList {  // Moment: float or
   // Called by every lane of the warp (`in`: whether element i is in the tensor).
   __device__ __forceinline__ void store(long long i, long long, bool in, bool, float value) const {
     if (in) held[i] = from_float<Moment>(value);
+  }
+};
+
+// A bf16 second moment: rounded stochastically in a step (_codecs.bf16_stochastic).
+template <> struct MomentList<__nv_bfloat16, false> {
+  __nv_bfloat16* held;
+  long long first;
+  unsigned int step;
+  __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long, long long first,
+                                        unsigned int step = 0u)
+      : held(list != 0 ? reinterpret_cast<__nv_bfloat16*>(list) + first : nullptr),
+        first(first),
+        step(step) {}
+  __device__ __forceinline__ float load(long long i, long long) const {
+    return to_float<__nv_bfloat16>(held[i]);
+  }
+  __device__ __forceinline__ void store(long long i, long long, bool in, bool, float value) const {
+    if (in) held[i] = bf16_stochastic(value, dither_bits(first + i, step));
   }
 };
 

@@ -158,6 +158,8 @@ def reference_adam(state, inv=2.0**-10):
         out["steps"][i] = step
         if state["scales"] is None:
             out["m"][i], out["v"][i] = m.to(state["m"][i].dtype), v.to(state["v"][i].dtype)
+            if state["v"][i].dtype is torch.bfloat16:  # the second moment: stochastically
+                out["v"][i] = _codecs.bf16_stochastic(v, step)
         else:
             (out["m"][i], out["scales"][0][i]) = kernels.moment_encode(m, True)
             # the second moment's codes rounded stochastically, by the step's dither
@@ -221,6 +223,24 @@ def test_an_8_bit_second_moment_follows_its_ema_where_rounding_to_nearest_sticks
     for name, expected in (("stochastic", (0.9, 1.1)), ("nearest", (1.3, float("inf")))):
         ratio = (kernels.moment_decode(*held[name])[small] / exact[small]).median().item()
         assert expected[0] < ratio < expected[1], (name, ratio)
+
+
+def test_a_bf16_second_moment_follows_its_ema_where_rounding_to_nearest_sticks():
+    """bf16's 8 bits hold a second moment as coarsely: decaying from 1 towards 0.25, rounded to
+    nearest it never leaves 1 (0.1% a step is below half an ulp), stochastically it follows."""
+    held = {"nearest": torch.ones(4096), "stochastic": torch.ones(4096)}
+    exact = torch.ones(4096)
+    for step in range(1, 1001):
+        exact = exact * 0.999 + 0.25 * (1 - 0.999)
+        for name, v in held.items():
+            v = v.float() * 0.999 + 0.25 * (1 - 0.999)
+            stochastic = name == "stochastic"
+            held[name] = (
+                _codecs.bf16_stochastic(v, torch.tensor(float(step))) if stochastic else v.bfloat16()
+            )
+    assert (held["nearest"] == 1).all()
+    ratio = held["stochastic"].float().mean() / exact.mean()
+    assert abs(ratio.item() - 1) < 0.01, ratio
 
 
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
