@@ -186,8 +186,8 @@ def install(
         "cupy_backends.cuda.libs.nvrtc": nvrtc,
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "amp.kernels._cupy_backend", raising=False)
-    monkeypatch.delitem(sys.modules, "amp.kernels._cupy_device", raising=False)
+    for module in ("_cupy_backend", "_cupy_compact", "_cupy_device"):
+        monkeypatch.delitem(sys.modules, f"amp.kernels.{module}", raising=False)
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
@@ -205,5 +205,8 @@ def install(
     # Registered with monkeypatch so that teardown removes them: the real ones are imported afresh.
     monkeypatch.setitem(sys.modules, "amp.kernels._cupy_backend", backend)
     monkeypatch.setitem(sys.modules, "amp.kernels._cupy_device", backend.cuda)
+    monkeypatch.setitem(
+        sys.modules, "amp.kernels._cupy_compact", sys.modules["amp.kernels._cupy_compact"]
+    )
     monkeypatch.setattr(amp.kernels, "_cupy_device", backend.cuda, raising=False)
     return backend, launches
