@@ -18,6 +18,8 @@ import torch
 import amp
 
 from . import flavours
+from .held import HeldGradients
+from .skips import SkipCount, checks_deciding
 
 __all__ = ["AmpPrecisionBehaviour"]
 
@@ -90,13 +92,8 @@ class AmpPrecisionBehaviour:
         self.log = log
         self.initialize_kwargs = dict(initialize_kwargs)
         self.precision = _precision_name(opt_level, dtype)
-        self._skipped_steps = 0
-        self._last_step_skipped = False
-        # The overflow checks of each step since those whose outcome the plugin read, oldest first
-        self._unlearned: List[Tuple[Any, ...]] = []
-        # id(optimizer) -> (loss_id, losses): the gradients a backward left scaled for the
-        # optimizer's step to unscale (several optimizers, none named: `backward`)
-        self._held: Dict[int, Tuple[int, List[torch.Tensor]]] = {}
+        self._skips = SkipCount()
+        self._held = HeldGradients()  # several optimizers, none named: `backward`
         self._models: List[torch.nn.Module] = []  # the modules amp.initialize took
         self._optimizers: List[torch.optim.Optimizer] = []
         self._fabric_modules: List[Any] = []  # Fabric's wrappers of them (amp.lightning.setup)
@@ -204,7 +201,7 @@ class AmpPrecisionBehaviour:
             self._kept_state = self.state_dict()
             self._initialized = False
             self._models, self._optimizers, self._ddps = [], [], []
-            self._held = {}
+            self._held = HeldGradients()
             amp.deinitialize()
 
     # -- forward -------------------------------------------------------------------------------
@@ -267,32 +264,15 @@ class AmpPrecisionBehaviour:
         if not untied:
             optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
         else:
-            optimizers = [o for o in self._optimizers if _requires_grad(o)] or self._optimizers
+            optimizers = self._held.holders(self._optimizers)
             delay = True
-            for held in optimizers:  # gradients a zero_grad() dropped take their losses along
-                if not _holds_scaled(held):
-                    self._held.pop(id(held), None)
         with amp.scale_loss(tensor, optimizers, loss_id=loss_id, delay_unscale=delay) as scaled:
             if self._trainer_base is not None:
                 self._trainer_base.backward(self, scaled, model, optimizer, *args, **kwargs)
             else:
                 scaled.backward(*args, **kwargs)
         if untied:
-            for held in optimizers:
-                losses = self._held.get(id(held), (None, []))[1]
-                self._held[id(held)] = (loss_id, losses + [tensor.detach()])
-
-    def _unscale_held(self, optimizer: Any) -> None:
-        """Unscale and check the gradients `optimizer` holds scaled (a backward not tied to it):
-        an empty scale_loss block of the loss scaler that scaled them, whose losses it checks
-        for inf/NaN; the optimizer's next step decides on it."""
-        held = self._held.pop(id(optimizer), None)
-        if held is None or not _holds_scaled(optimizer):
-            return
-        loss_id, losses = held
-        loss = torch.stack([loss.float().sum() for loss in losses]).sum()  # non-finite if one is
-        with amp.scale_loss(loss, optimizer, loss_id=loss_id):
-            pass
+            self._held.hold(optimizers, loss_id, tensor)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if self._trainer_base is None:
@@ -324,19 +304,17 @@ class AmpPrecisionBehaviour:
                 "which amp does not support (scale_loss unscales once per backward)."
             )
         closure_result = closure()
-        self._unscale_held(optimizer)  # for on_before_optimizer_step's hooks and the clipping
+        self._held.unscale(optimizer)  # for on_before_optimizer_step's hooks and the clipping
         self._trainer_base._after_closure(self, model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, so no step (Lightning's rule)
         return self._step(optimizer, model, **kwargs)
 
     def _step(self, optimizer: Any, model: Any, **kwargs: Any) -> Any:
-        self._unscale_held(optimizer)
-        checks = _checks_deciding(optimizer)
+        self._held.unscale(optimizer)
+        checks = checks_deciding(optimizer)
         output = optimizer.step(**kwargs)
-        # Skipped where a check found inf/NaN: read once its copy reaches the host, no wait here.
-        self._unlearned.append(checks)
-        self._learn(wait=False)
+        self._skips.record(checks)  # learned once the checks' copies reach the host: no wait
         if self.log and self._trainer_base is not None and _writes_logs_now(model.trainer):
             scale = amp.state_dict()["loss_scaler0"]["loss_scale"]  # waits for the copies
             model.log("amp/loss_scale", float(scale), on_step=True, on_epoch=False)
@@ -346,33 +324,16 @@ class AmpPrecisionBehaviour:
     @property
     def skipped_steps(self) -> int:
         """The optimizer steps amp skipped (waits for the device's answer about the last ones)."""
-        self._learn(wait=True)
-        return self._skipped_steps
+        return self._skips.skipped
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._unlearned = []
-        self._skipped_steps = int(value)
+        self._skips.reset(value)
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest optimizer step was skipped (waits for the device's answer)."""
-        self._learn(wait=True)
-        return self._last_step_skipped
-
-    def _learn(self, wait: bool) -> None:
-        """Count the skips of the steps whose checks have reached the host (all, waiting for
-        them, if `wait`), in order."""
-        unlearned = self._unlearned
-        learned = 0
-        for checks in unlearned:
-            if not all(check.arrived(wait) for check in checks):
-                break
-            skipped = any(check.found_value for check in checks)
-            self._skipped_steps += skipped
-            self._last_step_skipped = skipped
-            learned += 1
-        del unlearned[:learned]
+        return self._skips.last_skipped
 
     # -- gradient clipping ---------------------------------------------------------------------
 
@@ -386,14 +347,14 @@ class AmpPrecisionBehaviour:
     def unscale_gradients(self, optimizer: Any) -> None:
         """Gradients a backward left scaled for `optimizer` are unscaled now (Fabric's
         clip_gradients); others were unscaled when their backward ended."""
-        self._unscale_held(flavours.unwrap_optimizer(optimizer))
+        self._held.unscale(flavours.unwrap_optimizer(optimizer))
 
     def _clip_gradients(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         self._trainer_base._clip_gradients(self, model, optimizer, *args, **kwargs)
 
     def clip_gradients(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         optimizer = flavours.unwrap_optimizer(optimizer)
-        self._unscale_held(optimizer)  # manual optimization clips before the step
+        self._held.unscale(optimizer)  # manual optimization clips before the step
         base = self._trainer_base or flavours.installed()[0].precision
         base.clip_gradients(self, optimizer, *args, **kwargs)
 
@@ -430,25 +391,6 @@ def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.dtype is not torch.float64:
         return tensor.to(dtype)
     return tensor
-
-
-def _requires_grad(optimizer: Any) -> bool:
-    return any(p.requires_grad for group in optimizer.param_groups for p in group["params"])
-
-
-def _holds_scaled(optimizer: Any) -> bool:
-    """Whether `optimizer`'s gradients wait scaled to be unscaled (delay_unscale blocks since its
-    last unscaling block; a zero_grad() drops them)."""
-    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
-    return record is not None and record.stash.scaled_by is not None
-
-
-def _checks_deciding(optimizer: Any) -> Tuple[Any, ...]:
-    """The overflow checks (scaling.scaler.Check) the next step of `optimizer` decides on, those
-    of the scale_loss blocks since its last step: amp skips the step where one found inf/NaN.
-    Empty for an optimizer amp does not step, or for a loss scale that never skips."""
-    record = getattr(optimizer, "__dict__", {}).get("_amp_record")
-    return tuple(record.pending) if record is not None else ()
 
 
 def _writes_logs_now(trainer: Any) -> bool:
