@@ -100,19 +100,33 @@ def train(name, shape, steps, lr, every, seed, data):
 
 
 def plot(curves, title, path):
+    """The held-out curves, and beside them each variant's difference to exact masters (the
+    curves of the variants that hold overlap at the left's scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for name, curve in curves.items():
-        axes.plot(*zip(*curve[1:]), label=name, linestyle="--" if "no masters" in name else "-")
-    axes.set_xlabel("step")
-    axes.set_ylabel("held-out loss (nats per byte)")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend()
+    figure, (losses, gaps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    reference = dict(curves.get("exact masters", []))
+    for index, (name, curve) in enumerate(curves.items()):
+        style = dict(label=name, linestyle="--" if "no masters" in name else "-", color=f"C{index}")
+        losses.plot(*zip(*curve[1:]), **style)
+        if reference and name != "exact masters":
+            steps = [step for step, _ in curve[1:]]
+            gaps.plot(
+                steps,
+                [value - reference[step] for step, value in curve[1:]],
+                **style,
+            )
+    losses.set_ylabel("held-out loss (nats per byte)")
+    gaps.set_ylabel("difference to exact masters (nats per byte)")
+    gaps.axhline(0.0, color="black", linewidth=0.8)
+    for axes in (losses, gaps):
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
