@@ -49,6 +49,7 @@ class OptimizerRecord:
         self.stash = GradientStash(table)
         self.skips = Skips()
         self.pending = []  # the checks of its blocks since its last step (scale_loss's exit)
+        self.stepped_fused = False  # whether a fused step was taken (compact state exists)
         self.fused = fused  # FusedStep at O2 for torch's AdamW/Adam/SGD, else None
         self.deferral = deferral  # Deferral at O2 on the CuPy kernels, else None
         # The next exit may keep the masters' gradients for the fused step (deferral.py): the
@@ -135,25 +136,39 @@ class OptimizerRecord:
                     kept = None
                 stash.adopt_model_grads()
         optimizer = self.optimizer
+        fused = self.fused
         # The path, decided once: amp's fused step where it applies, else the optimizer's own.
-        plan = None if self.fused is None else self.fused.plan(optimizer, table, kept)
+        # A plan over compact state makes the state of a parameter's first step, so it is made
+        # only once the step is known to be taken, where the host knows it or must wait for it
+        # (the first step: its state, SGD's momentum started as the gradient, must not come
+        # from a skipped one).
+        planned = fused is None or fused.form is None
+        plan = None if fused is None or not planned else fused.plan(optimizer, table, kept)
         checks, found, known = self.pending, None, True
         if checks:
             self.pending = []
             watch = amp_state.origin_watch
             if watch.armed:  # a watched step (the one after a skip) ends: its origin is found
                 watch.settle(self.skips, checks)
+            if not planned and not self.stepped_fused:
+                for check in checks:
+                    check.arrived(wait=True)
             if all(map(_LEARNED, checks)):  # the host knows, at no cost (always on the CPU)
                 overflowed = list(filter(_FOUND_VALUE, checks))
             else:
+                if not planned:
+                    plan, planned = fused.plan(optimizer, table, kept), True
                 on_device = plan is not None or self.found_inf_on_device
                 overflowed, found, known = _decide(checks, on_device)
             if overflowed:
                 self._skip(checks, kept)
                 return None
+        if not planned:
+            plan = fused.plan(optimizer, table, kept)
         self.defers = plan is not None or (self.fused is not None and self.fused.stateless)
         if plan is not None:
-            self.fused.run(optimizer, plan, found)
+            fused.run(optimizer, plan, found)
+            self.stepped_fused = True
             if kept is not None:
                 deferral.take()
             table.models_written(not self.keeps_grads)

@@ -150,6 +150,24 @@ def test_a_skipped_step_changes_no_bit(form):
     assert after[3]["loss_scaler0"]["loss_scale"] == before[3]["loss_scaler0"]["loss_scale"] / 2
 
 
+@pytest.mark.parametrize("form", FORMS, ids=IDS)
+def test_a_skipped_first_step_makes_no_state_and_the_next_starts_as_a_first_one(form):
+    """SGD's momentum starts as the gradient at a taken first step (with dampening, a made
+    buffer would start damped): a skipped first step leaves no state, as with FP32 masters."""
+    options = dict(lr=0.1, momentum=0.9, dampening=0.5)
+    runs = []
+    for this in (form, {}):
+        model, optimizer = setup(this, torch.optim.SGD, **options)
+        before = copy.deepcopy(optimizer.state_dict())
+        train(model, optimizer, [0], inside=lambda step, m: inject(m[0].weight))
+        assert_equal(before, optimizer.state_dict())
+        train(model, optimizer, [1])
+        amp.deinitialize()
+        runs.append([optimizer.state[p]["momentum_buffer"] for p in model.parameters()])
+    for compact, exact in zip(*runs, strict=True):
+        torch.testing.assert_close(compact, exact, atol=0.02 * exact.abs().max(), rtol=0)
+
+
 def _saved(model, optimizer):
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
