@@ -4,8 +4,8 @@ At O2 every cast parameter has an FP32 value in a table (table.py): its master w
 steps it, an FP32 copy in the table of frozen parameters when none does (or, with compact
 masters, the weight and its correction, decoded for a state dict). At O2/O3 every cast floating
 buffer keeps its FP32 original in the model's buffer table (buffers.py). O3 keeps no FP32 copy
-of its parameters, and compact masters hold none: `state_dict()` makes one (`Handed`), kept
-until the next forward has taken what was written into it. `model.state_dict()` returns the FP32 tensors themselves, so that code
+of its parameters: `state_dict()` makes one (`Handed`), kept until the next forward has taken
+what was written into it; compact masters hold none either, and their table lends one (lent.py). `model.state_dict()` returns the FP32 tensors themselves, so that code
 which updates a model in place through its state dict (timm's ModelEmaV2/V3 on a
 `copy.deepcopy` of the model) changes what the model computes with: a write into an FP32 value
 is copied into the low-precision tensor before the next forward, and a write into the
@@ -66,6 +66,8 @@ class ModelCopies:
     def sync(self):
         """Every write since the last mark taken across (before deinitialize's undo)."""
         for table in self.tables:
+            if table.lent:
+                table.lent.push_writes(table)
             table.take_outside_writes()
         self.buffers.sync()
         if self.handed is not None:
@@ -86,29 +88,21 @@ class SyncBeforeForward:
         for table in (*copies.tables, copies.buffers):
             if list(map(_VERSION, table.masters)) != table.master_versions:
                 table.push_written_masters()
+        for table in copies.tables:
+            if table.lent:  # compact rows' FP32 values: taken over, then lent no longer
+                table.lent.push_writes(table)
+                table.lent.clear()
         if copies.handed is not None:  # O3's: taken over, then dropped
             copies.handed.push_written_masters()
             copies.handed = None
 
 
 class Handed(BufferTable):
-    """The FP32 values a state dict made of parameters that hold none (O3's; compact masters'),
-    kept until the next forward has taken what was written into them: into the parameter (O3),
-    or into a compact row's weight and correction (`owners`: row -> (table, its row))."""
+    """The FP32 values a state dict made of O3's parameters (which hold none), kept until the
+    next forward has taken what was written into them into the parameters."""
 
     def __init__(self):
         super().__init__("_parameters")
-        self.owners = {}
-
-    def sync_row(self, row):
-        owner = self.owners.get(row)
-        if owner is None:
-            super().sync_row(row)
-            return
-        if self.masters[row]._version != self.master_versions[row]:
-            table, table_row = owner
-            table.set_value(table_row, self.masters[row])
-        self.mark_place(row)
 
 
 class FP32StateDict:
@@ -141,20 +135,17 @@ class FP32StateDict:
         copies = self.copies
         copies.lent = True
         table, row = find(param, copies.tables)
-        if table is not None and not table.compact:
+        if table is not None:
+            if table.compact:  # one decoded tensor, kept in step with the row (lent.py)
+                return table.lent.lend(table, row).detach()
             table.sync_row(row)
             return table.masters[row].detach()  # shares the version counter: writes show
-        handed = copies.handed
+        handed = copies.handed  # O3's
         if handed is None:
             handed = copies.handed = Handed()
         made = handed.rows.get(owner, {}).get(name)
         if made is None or handed.current(made) is not param:
-            if table is not None:  # a compact row: its value, written back by set_value
-                table.sync_row(row)
-                made = handed.add(owner, name, table.value(row))
-                handed.owners[made] = (table, row)
-            else:  # O3
-                made = handed.add(owner, name, param.detach().float())
+            made = handed.add(owner, name, param.detach().float())
         handed.sync_row(made)
         return handed.masters[made].detach()
 

@@ -32,6 +32,7 @@ import torch
 from .. import distributed, kernels
 from ..casting.casts import LOW_PRECISION
 from .columns import NONES, consume, repeat
+from .lent import LentValues
 
 __all__ = ["Rows", "ParamTable", "find", "hollow"]
 
@@ -201,6 +202,7 @@ class ParamTable(Rows):
         # bf16 weight and int8 correction (kernels.compact_encode's), kept here
         self.compact = compact
         self.corrections = []
+        self.lent = LentValues()  # compact rows' FP32 values a state dict handed out
         self.params, self.dicts, self.names, self.qualified = [], [], [], []
         self.qualified_of = {}  # id(parameter as the model holds it) -> its qualified name
         self.index = {}  # id(model parameter) -> its master row
@@ -356,12 +358,15 @@ class ParamTable(Rows):
         """A step wrote the masters into the model (the fused step does it in its pass): amp
         marks that write as its own, and the master gradients go unless not `drop_grads`."""
         self.mark()
+        if self.lent:
+            self.lent.refresh(self)
         if drop_grads:
             consume(map(setattr, self.masters, repeat("grad"), NONES))
 
     def __getstate__(self):
         state = super().__getstate__()
         del state["index"], state["master_index"], state["qualified_of"]
+        state["lent"] = LentValues()  # keyed by the ids of this process's parameters
         return state
 
     def __setstate__(self, state):

@@ -1,0 +1,86 @@
+"""Compact rows' FP32 values as a state dict lends them (amp/weights/lent.py): the tensor a state
+dict hands out stays in step with the row across steps and writes on either side, as an exact
+master's tensor does (the exact masters are the reference)."""
+
+import pytest
+import torch
+
+import amp
+
+pytestmark = pytest.mark.usefixtures("deinitialized")
+
+FORMS = [True, "compact"]
+
+
+def setup(form):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    return amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, master_weights=form, verbosity=0
+    )
+
+
+def backward(model, optimizer, seed=1):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+    with amp.scale_loss(model(x).float().square().mean(), optimizer) as scaled:
+        scaled.backward()
+
+
+def weight(model):
+    return model[0].weight.detach().float().clone()
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
+def test_a_state_dict_taken_after_a_step_holds_the_stepped_values(form):
+    model, optimizer = setup(form)
+    backward(model, optimizer)
+    before = model.state_dict()["0.weight"].clone()
+    optimizer.step()
+    after = model.state_dict()["0.weight"]
+    assert not torch.equal(before, after)
+    assert torch.equal(after.bfloat16(), model[0].weight.detach())
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
+def test_a_tensor_lent_before_a_step_shows_the_step_and_a_write_into_it_keeps_it(form):
+    model, optimizer = setup(form)
+    backward(model, optimizer)
+    lent = model.state_dict()["0.weight"]
+    optimizer.step()
+    stepped = weight(model)
+    assert torch.equal(lent.bfloat16().float(), stepped)
+    lent.mul_(1.0)  # a write that keeps the values (an EMA with decay 1)
+    model(torch.randn(2, 8))
+    assert torch.equal(weight(model), stepped)
+
+
+def test_a_write_into_a_lent_tensor_before_a_step_is_stepped_from_as_with_exact_masters():
+    results = []
+    for form in FORMS:
+        model, optimizer = setup(form)
+        backward(model, optimizer)
+        model.state_dict()["0.weight"].mul_(0.5)
+        optimizer.step()
+        results.append((weight(model), model.state_dict()["0.weight"].clone()))
+        amp.deinitialize()
+    (exact_low, exact_fp32), (compact_low, compact_fp32) = results
+    assert torch.equal(exact_low, compact_low)
+    ulp = torch.finfo(torch.bfloat16).eps * exact_fp32.abs()
+    assert ((compact_fp32 - exact_fp32).abs() <= ulp / 128).all()
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
+def test_a_write_to_the_weight_from_outside_is_seen_by_the_next_state_dict(form):
+    model, optimizer = setup(form)
+    model.state_dict()
+    with torch.no_grad():
+        model[0].weight.zero_()
+    assert not model.state_dict()["0.weight"].any()
+
+
+def test_deinitialize_takes_a_write_into_a_lent_tensor():
+    model, optimizer = setup("compact")
+    model.state_dict()["0.weight"].fill_(0.25)
+    amp.deinitialize()
+    assert model[0].weight.dtype is torch.float32 and (model[0].weight == 0.25).all()
