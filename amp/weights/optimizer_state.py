@@ -108,7 +108,32 @@ def loading(optimizer, table, state_dict, fused=None):
     if form is not None and isinstance(state_dict.get("state"), dict):
         entries = state_dict["state"].items()
         state_dict = dict(state_dict, state={k: form.from_torch(v) for k, v in entries})
+        check_moments(optimizer, state_dict, form)
     return state_dict, (plan, OptimizerSnapshot(optimizer), form)
+
+
+def check_moments(optimizer, state_dict, form):
+    """A clear error where a moment has another size than its parameter (a checkpoint of
+    another model): torch's fused ops, which amp's step calls, do not check it, and would read
+    past the moment's end or step a prefix of it. Changes nothing."""
+    saved = [index for group in state_dict.get("param_groups", ()) for index in group["params"]]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if len(saved) != len(params):
+        return  # torch's load refuses it: "... a different number of parameters ..."
+    param_of = dict(zip(saved, params))
+    for index, entry in state_dict["state"].items():
+        param = param_of.get(index)
+        if param is None or not isinstance(entry, dict):
+            continue
+        for moment, _ in form.moments:
+            value = entry.get(form.keys(moment)[0])
+            if isinstance(value, torch.Tensor) and value.numel() != param.numel():
+                raise ValueError(
+                    f"optimizer.load_state_dict: the {moment} of parameter {index} has "
+                    f"{value.numel()} elements, and the parameter {param.numel()} (shape "
+                    f"{tuple(param.shape)}): the checkpoint is of another model. Load one "
+                    "saved by an optimizer over this model's parameters."
+                )
 
 
 def loaded(optimizer, table, plan, before, form=None):

@@ -179,7 +179,9 @@ def test_torch_optimizers_carry_the_masters_through_torchs_state_dict_hooks():
     changed = copy.deepcopy(state)
     changed["amp_master_params"][0].fill_(0.5)
     torch.optim.Optimizer.load_state_dict(optimizer, changed)
-    assert torch.equal(optimizer_params(optimizer)[0], torch.full_like(model[0].weight, 0.5).float())
+    assert torch.equal(
+        optimizer_params(optimizer)[0], torch.full_like(model[0].weight, 0.5).float()
+    )
     assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 0.5))
     amp.deinitialize()
     assert all(len(registered) == 0 for registered in hooks)
@@ -202,3 +204,51 @@ def test_an_optimizer_whose_class_saves_its_own_way_carries_the_masters_too():
     step_cleanly(model, optimizer)
     state = optimizer.state_dict()
     assert state["mine"] and set(state["amp_master_params"]) == {0, 1, 2, 3}
+
+
+def _moments_of_width(hidden, cls):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4)
+    )
+    optimizer = cls(
+        model.parameters(), lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {})
+    )
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    return copy.deepcopy(optimizer.state_dict())
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("wider", [True, False], ids=["larger-moments", "smaller-moments"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        dict(),
+        dict(master_weights="compact"),
+        dict(master_weights="compact", optimizer_state="int8"),
+    ],
+    ids=["exact", "compact", "compact-int8"],
+)
+def test_moments_of_another_size_than_their_parameters_are_refused_changing_nothing(
+    form, wider, cls
+):
+    """A plain torch checkpoint of a model of another width: torch's fused ops, which amp's step
+    calls, would step a prefix of each moment or read past its end."""
+    checkpoint = _moments_of_width(48 if wider else 40, cls)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 44), torch.nn.ReLU(), torch.nn.Linear(44, 4))
+    optimizer = cls(
+        model.parameters(), lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {})
+    )
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form
+    )
+    with amp.scale_loss(model(torch.randn(4, 8)).float().square().mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match="elements, and the parameter .* another model"):
+        optimizer.load_state_dict(checkpoint)
+    torch.testing.assert_close(optimizer.state_dict(), before, rtol=0, atol=0, equal_nan=True)
