@@ -131,7 +131,13 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger, comp
             for param in params:
                 if param.dtype is not torch.float32:
                     table, row = find(param, copies.tables)
-                    param.data = table.value(row).data if table else param.data.float()
+                    if table is None:
+                        param.data = param.data.float()
+                    elif table.compact:  # decoded contiguous: the parameter's layout again
+                        value = torch.empty_like(param.data, dtype=torch.float32)
+                        param.data = value.copy_(table.value(row))
+                    else:
+                        param.data = table.value(row).data
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
             for row, (module, name) in enumerate(buffers.places):

@@ -237,6 +237,22 @@ def test_deinitialize_hands_back_the_fp32_values_and_torchs_state(form):
     optimizer.step()  # a plain torch step from that state
 
 
+@pytest.mark.parametrize("form", [{}, FORMS[0]], ids=["exact", "compact"])
+def test_deinitialize_hands_back_each_parameters_layout(form):
+    """A channels_last convolution and a transposed weight keep their strides (compact values
+    are decoded contiguous)."""
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    linear = torch.nn.Linear(6, 5, bias=False)
+    linear.weight = torch.nn.Parameter(torch.randn(6, 5).t())
+    model = torch.nn.ModuleDict({"conv": conv, "linear": linear})
+    strides = [p.stride() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    amp.initialize(model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form)
+    amp.deinitialize()
+    assert [p.stride() for p in model.parameters()] == strides
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+
+
 def test_clipping_through_master_params_clips_the_fp32_gradients_the_step_uses():
     model, optimizer = setup(dict(master_weights="compact", optimizer_state="int8"))
     train(model, optimizer, range(2))
