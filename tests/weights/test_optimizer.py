@@ -124,3 +124,42 @@ def test_a_parameter_unused_in_a_step_moves_as_torch_moves_it(opt_level):
     assert fp32[2] > 0.001 and ours[2] == pytest.approx(fp32[2], rel=0.05)
     # zero_grad(set_to_none=True) (the default): torch leaves the unused parameter alone
     assert _head_b_moves(None, {})[2] == 0.0 == _head_b_moves(opt_level, {})[2]
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_compact_state_is_made_by_a_step_known_taken_waiting_for_the_device_until_then(monkeypatch):
+    """Where the host has not read a step's check yet (a GPU), a plan over compact state would
+    make the state of a first step that may be skipped: those steps wait for the check, later
+    ones do not."""
+    from amp.scaling.scaler import Check
+
+    waits = []
+    arrived = Check.arrived
+
+    def in_flight(self, wait=False):  # as on a GPU: a copy arrives only when waited for
+        if wait and not self.learned:
+            waits.append(self)
+        return arrived(self, wait) if wait else False
+
+    monkeypatch.setattr(Check, "arrived", in_flight)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    model, optimizer = amp.initialize(
+        model,
+        optimizer,
+        opt_level="O2",
+        dtype=torch.bfloat16,
+        master_weights="compact",
+        verbosity=0,
+    )
+    counts = []
+    for step in range(3):
+        optimizer.zero_grad()
+        with amp.scale_loss(model(torch.randn(8, 4)).float().square().mean(), optimizer) as s:
+            s.backward()
+            if step == 0:
+                model[0].weight.grad.view(-1)[0] = float("inf")
+        optimizer.step()
+        counts.append((len(waits), len(optimizer.state)))
+    assert counts == [(1, 0), (2, 4), (2, 4)]  # skipped: no state; the first taken one waited
