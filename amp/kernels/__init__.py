@@ -34,6 +34,7 @@ __all__ = [
     "compact_decode",
     "moment_encode",
     "moment_decode",
+    "moment_scales",
     "fuses",
     "cuda_backend",
     "BackendChoice",
@@ -389,6 +390,11 @@ def moment_encode(values, signed):
     _codecs.BLOCK elements). `signed`: int8 softsign codes (Adam's first moment, SGD's momentum);
     else uint8 codes of the square roots of non-negative values (Adam's second moment)."""
     return (_codecs.signed_encode if signed else _codecs.unsigned_encode)(values)
+
+
+def moment_scales(numel):
+    """How many block scales moment_encode makes for a moment of `numel` elements."""
+    return -(-numel // _codecs.BLOCK)
 
 
 def moment_decode(codes, scales):

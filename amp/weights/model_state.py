@@ -89,9 +89,8 @@ class SyncBeforeForward:
             if list(map(_VERSION, table.masters)) != table.master_versions:
                 table.push_written_masters()
         for table in copies.tables:
-            if table.lent:  # compact rows' FP32 values: taken over, then lent no longer
+            if table.lent:  # compact rows' FP32 values written through a state dict
                 table.lent.push_writes(table)
-                table.lent.clear()
         if copies.handed is not None:  # O3's: taken over, then dropped
             copies.handed.push_written_masters()
             copies.handed = None
@@ -137,7 +136,7 @@ class FP32StateDict:
         table, row = find(param, copies.tables)
         if table is not None:
             if table.compact:  # one decoded tensor, kept in step with the row (lent.py)
-                return table.lent.lend(table, row).detach()
+                return table.lent.lend(table, row)
             table.sync_row(row)
             return table.masters[row].detach()  # shares the version counter: writes show
         handed = copies.handed  # O3's
@@ -175,6 +174,8 @@ class LoadIntoCopies:
                         value = state_dict.get(owner_prefix + name)
                         if table.compact and _fits(value, param):
                             table.set_value(row, value)
+                            if table.lent:  # a tensor lent before shows the load (it wins)
+                                table.lent.refresh(table, (row,))
                         elif not table.compact:
                             _load(table.masters[row], value)
                 for name, row in buffers.rows.get(owner, {}).items():

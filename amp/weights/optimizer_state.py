@@ -22,6 +22,7 @@ __all__ = [
     "loading",
     "loaded",
     "check_masters",
+    "check_moments",
 ]
 
 MASTER_PARAMS_KEY = "amp_master_params"
@@ -126,13 +127,18 @@ def check_moments(optimizer, state_dict, form):
         if param is None or not isinstance(entry, dict):
             continue
         for moment, _ in form.moments:
-            value = entry.get(form.keys(moment)[0])
-            if isinstance(value, torch.Tensor) and value.numel() != param.numel():
+            keys = form.keys(moment)
+            value, scales = entry.get(keys[0]), entry.get(keys[-1]) if len(keys) == 2 else None
+            wrong = isinstance(value, torch.Tensor) and value.shape != param.shape
+            if isinstance(scales, torch.Tensor):
+                wrong = wrong or scales.numel() != kernels.moment_scales(param.numel())
+            if wrong:
                 raise ValueError(
-                    f"optimizer.load_state_dict: the {moment} of parameter {index} has "
-                    f"{value.numel()} elements, and the parameter {param.numel()} (shape "
-                    f"{tuple(param.shape)}): the checkpoint is of another model. Load one "
-                    "saved by an optimizer over this model's parameters."
+                    f"optimizer.load_state_dict: the {moment} of parameter {index} has shape "
+                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else None}"
+                    + (f" and {scales.numel()} block scales" if scales is not None else "")
+                    + f", and the parameter shape {tuple(param.shape)}: the checkpoint is of "
+                    "another model. Load one saved by an optimizer over this model's parameters."
                 )
 
 

@@ -84,3 +84,36 @@ def test_deinitialize_takes_a_write_into_a_lent_tensor():
     model.state_dict()["0.weight"].fill_(0.25)
     amp.deinitialize()
     assert model[0].weight.dtype is torch.float32 and (model[0].weight == 0.25).all()
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
+def test_a_load_after_a_write_into_a_lent_tensor_wins(form):
+    model, optimizer = setup(form)
+    checkpoint = {key: value.clone() for key, value in model.state_dict().items()}
+    model.state_dict()["0.weight"].add_(1.0)
+    model.load_state_dict(checkpoint)
+    model(torch.randn(2, 8))
+    assert torch.equal(weight(model), checkpoint["0.weight"].bfloat16().float())
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
+def test_a_state_dict_kept_across_forwards_and_steps_stays_in_step_both_ways(form):
+    model, optimizer = setup(form)
+    kept = model.state_dict()
+    for seed in (1, 2):
+        backward(model, optimizer, seed)
+        optimizer.step()
+        assert torch.equal(kept["0.weight"].bfloat16().float(), weight(model))
+    kept["0.weight"].fill_(0.5)
+    model(torch.randn(2, 8))
+    assert (weight(model) == 0.5).all()
+
+
+def test_a_lent_tensor_no_one_holds_is_let_go_at_the_next_forward():
+    import weakref
+
+    model, optimizer = setup("compact")
+    lent = weakref.ref(model.state_dict()["0.weight"])
+    assert lent() is not None  # held until its writes are taken
+    model(torch.randn(2, 8))
+    assert lent() is None

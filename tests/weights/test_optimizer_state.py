@@ -249,6 +249,46 @@ def test_moments_of_another_size_than_their_parameters_are_refused_changing_noth
         scaled.backward()
     optimizer.step()
     before = copy.deepcopy(optimizer.state_dict())
-    with pytest.raises(ValueError, match="elements, and the parameter .* another model"):
+    with pytest.raises(ValueError, match="and the parameter shape .* another model"):
         optimizer.load_state_dict(checkpoint)
     torch.testing.assert_close(optimizer.state_dict(), before, rtol=0, atol=0, equal_nan=True)
+
+
+def _initialized_and_stepped(form):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 44), torch.nn.ReLU(), torch.nn.Linear(44, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form
+    )
+    with amp.scale_loss(model(torch.randn(4, 8)).float().square().mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize(
+    "form, key, change",
+    [
+        (dict(), "exp_avg", lambda t: t.t().contiguous()),
+        (dict(master_weights="compact", optimizer_state="int8"), "exp_avg_scales", lambda t: t[:1]),
+        (
+            dict(master_weights="compact", optimizer_state="int8"),
+            "exp_avg_sq_scales",
+            lambda t: torch.cat([t, t]),
+        ),
+    ],
+    ids=["transposed-moment", "truncated-scales", "doubled-scales"],
+)
+def test_a_moment_of_another_shape_or_other_block_scales_is_refused_changing_nothing(
+    form, key, change
+):
+    optimizer = _initialized_and_stepped(form)
+    before = copy.deepcopy(optimizer.state_dict())
+    broken = copy.deepcopy(before)
+    broken["state"][0][key] = change(broken["state"][0][key])
+    with pytest.raises(ValueError, match="and the parameter shape .* another model"):
+        optimizer.load_state_dict(broken)
+    torch.testing.assert_close(optimizer.state_dict(), before, rtol=0, atol=0, equal_nan=True)
+    optimizer.load_state_dict(before)  # its own checkpoint loads
