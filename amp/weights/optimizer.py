@@ -140,10 +140,7 @@ class OptimizerRecord:
         optimizer = self.optimizer
         fused = self.fused
         # The path, decided once: amp's fused step where it applies, else the optimizer's own.
-        # A plan over compact state makes the state of a parameter's first step, so it is made
-        # only once the step is known to be taken, where the host knows it or must wait for it
-        # (the first step: its state, SGD's momentum started as the gradient, must not come
-        # from a skipped one).
+        # A plan over compact state makes a first step's state: only for a step known taken.
         planned = fused is None or fused.form is None
         plan = None if fused is None or not planned else fused.plan(optimizer, table, kept)
         checks, found, known = self.pending, None, True
