@@ -66,8 +66,6 @@ class ModelCopies:
     def sync(self):
         """Every write since the last mark taken across (before deinitialize's undo)."""
         for table in self.tables:
-            if table.lent:
-                table.lent.push_writes(table)
             table.take_outside_writes()
         self.buffers.sync()
         if self.handed is not None:

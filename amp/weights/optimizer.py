@@ -129,8 +129,6 @@ class OptimizerRecord:
         deferral = self.deferral
         kept = None if deferral is None else deferral.kept
         if table.models:  # O2: the masters take what reached the model around amp
-            if table.lent:  # writes into compact rows' values a state dict handed out
-                table.lent.push_writes(table)
             table.take_outside_writes()
             if not all(map(operator.is_, map(GRAD, table.models), NONES)):
                 if kept is not None:  # gradients from a backward outside scale_loss join them

@@ -63,6 +63,8 @@ class Rows:
     one that wins (`masters`: the optimizer's master for a parameter it steps), with the marks of
     amp's last write: both sides' version counters, the low side's data pointer and shape."""
 
+    lent = ()  # FP32 values a state dict handed out for rows that hold none (ParamTable's)
+
     def __init__(self):
         self.models, self.masters = [], []
         self.low_versions, self.low_datas, self.master_versions, self.shapes = [], [], [], []
@@ -108,7 +110,10 @@ class Rows:
 
     def take_outside_writes(self):
         """Bring every row in step after writes from outside amp (see the module doc). The usual
-        answer, nothing written, costs the list compares of `unchanged`."""
+        answer, nothing written, costs the list compares of `unchanged`. Writes into FP32
+        values a state dict lent out come first (that side wins)."""
+        if self.lent:
+            self.lent.push_writes(self)
         if self.models and not self.unchanged():
             for row in range(len(self.models)):
                 self.sync_row(row)

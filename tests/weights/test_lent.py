@@ -117,3 +117,13 @@ def test_a_lent_tensor_no_one_holds_is_let_go_at_the_next_forward():
     assert lent() is not None  # held until its writes are taken
     model(torch.randn(2, 8))
     assert lent() is None
+
+
+@pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
+def test_a_write_into_a_lent_tensor_is_taken_wherever_outside_writes_are(form):
+    """optimizer.state_dict() takes writes from outside amp first; a lent tensor's is one."""
+    model, optimizer = setup(form)
+    model.state_dict()["0.weight"].fill_(0.5)
+    saved = optimizer.state_dict()
+    assert (model[0].weight == 0.5).all()
+    assert "amp_master_params" in saved
