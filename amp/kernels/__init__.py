@@ -375,8 +375,9 @@ def compact_sgd_step_(
 
 
 def compact_encode(fp32):
-    """(bf16 weights, int8 corrections) of FP32 values: their 24-bit rounding, split (exact to
-    within 1/512 of the bf16 weight's ulp); compact_decode gives it back exactly."""
+    """(bf16 weights, int8 corrections) of FP32 values: their 24-bit rounding, split (within
+    1/512 of the bf16 weight's ulp, 1/256 next to half a ulp); compact_decode gives it back
+    exactly."""
     return _codecs.compact_encode(fp32)
 
 

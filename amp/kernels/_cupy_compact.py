@@ -7,12 +7,11 @@ other types or layouts, and empty ones, go to the torch backend.
 
 import torch
 
+from . import _codecs, _torch_backend
 from . import _cupy_device as cuda
-from . import _torch_backend
 
 __all__ = ["adam_step_", "sgd_step_"]
 
-_BLOCK = 32  # elements per scale of an 8-bit moment (_codecs.BLOCK): a warp of the kernels
 _LOWS = (torch.float16, torch.bfloat16)
 
 
@@ -50,7 +49,7 @@ def _moment_kind(i, numel, moments):
         if scale is None:
             kinds.add(held.dtype if held.dtype in (torch.float32, torch.bfloat16) else None)
         elif held.dtype is (torch.int8 if signed else torch.uint8) and _ready(
-            scale, torch.float32, -(-numel // _BLOCK)
+            scale, torch.float32, -(-numel // _codecs.BLOCK)
         ):
             kinds.add(torch.int8)
         else:
