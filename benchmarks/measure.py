@@ -157,8 +157,14 @@ def _peak_cpu(build, warm_batch, batch):
                 trainer.step(*inputs)
         finally:
             trainer.close()
+    return marked_peak(profiler, _MARK)
+
+
+def marked_peak(profiler, mark_name):
+    """(live bytes when the range `mark_name` began, their peak in it) from a CPU profile with
+    profile_memory whose window began before anything measured was allocated."""
     events = list(profiler.profiler.kineto_results.events())
-    (mark,) = [e for e in events if e.name() == _MARK]
+    (mark,) = [e for e in events if e.name() == mark_name]
     begin, end = mark.start_ns(), mark.start_ns() + mark.duration_ns()
     memory = sorted(
         (e.start_ns(), e.nbytes())
@@ -174,6 +180,6 @@ def _peak_cpu(build, warm_batch, batch):
         live += change
         if before is not None:
             peak = max(peak, live)
-    if before is None:  # no allocation in the step
+    if before is None:  # no allocation in the range
         before = peak = live
     return before, peak

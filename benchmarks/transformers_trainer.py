@@ -31,7 +31,6 @@ import sys
 import tempfile
 
 import torch
-from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -39,6 +38,7 @@ from transformers.trainer_callback import PrinterCallback
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import print_table  # noqa: E402
+from measure import marked_peak  # noqa: E402
 
 from amp.transformers import AmpTrainer  # noqa: E402
 
@@ -153,27 +153,6 @@ def train(name, size, steps, warmup, device, output_dir, profiler=None):
             trainer.deinitialize()
 
 
-def _peak_cpu(profiler):
-    events = list(profiler.profiler.kineto_results.events())
-    (mark,) = [e for e in events if e.name() == _MARK]
-    begin, end = mark.start_ns(), mark.start_ns() + mark.duration_ns()
-    memory = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    )
-    live, before, peak = 0, None, 0
-    for time, change in memory:
-        if time >= begin and before is None:
-            before = peak = live
-        if time > end:
-            break
-        live += change
-        if before is not None:
-            peak = max(peak, live)
-    return before, peak
-
-
 def measure(name, size, steps, warmup, device, folder):
     """One row: the loss, calls per step and the memory of the last step of `name`."""
     profiler = cProfile.Profile()
@@ -187,7 +166,7 @@ def measure(name, size, steps, warmup, device, folder):
     else:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as memory:
             train(name, size, steps, warmup, device, folder)
-        start, peak = _peak_cpu(memory)
+        start, peak = marked_peak(memory, _MARK)
     row["start MiB"], row["peak MiB"] = start / MIB, peak / MIB
     return row
 
