@@ -324,7 +324,7 @@ _BLOCK = 32
 # The compact steps' lists by their template arguments: the master's two lists (a compact
 # master's bf16 weight and int8 correction, or an FP32 master and its copy, written only), and a
 # moment's bytes an element (FP32, bf16, 8-bit codes with ("block", ...) scales).
-_COMPACT_MASTERS = {"amp::Compact": ((2, 2), (1, 1))}
+_COMPACT_MASTERS = {"amp::Compact": ((2, 2), (1, 1)), "amp::Remainder": ((2, 2), (2, 2))}
 _COMPACT_MOMENTS = {"float": 4, "__nv_bfloat16": 2, "amp::Codes8": 1}
 
 

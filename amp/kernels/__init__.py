@@ -3,9 +3,10 @@
 `unscale_`, `unscale_to_`, `unscale_add_`, `copy_`, `l2_norm` and `check_` run as CuPy RawKernels
 on CUDA tensors when CuPy can be used, and on torch operations otherwise (CPU, no CuPy, or
 `AMP_DISABLE_KERNELS=1`), with the same results. So do the fused master steps `adam_step_` and
-`sgd_step_`, within the bounds their docstrings state, and their forms over compact state
-(`compact_adam_step_`, `compact_sgd_step_`: bf16 weights with int8 corrections for masters, 8-bit
-or bf16 moments; the encodings `compact_encode` and `moment_encode`). Overflow flags stay on the
+`sgd_step_` (their hyperparameters one `AdamOptions` / `SGDOptions`), within the bounds their
+docstrings state, over every form of the state: FP32 masters, exact ones as bf16 weights with
+int16 remainders (`remainder_encode`), compact ones with int8 corrections (`compact_encode`),
+FP32, bf16 or 8-bit moments (`moment_encode`). Overflow flags stay on the
 device: nothing here waits for the GPU. Importing this package imports neither CuPy nor touches
 CUDA; the CuPy backend is probed on the first call with CUDA tensors.
 """
@@ -16,6 +17,7 @@ import torch
 
 from .._state import amp_state
 from . import _codecs, _torch_backend
+from ._options import AdamOptions, SGDOptions
 
 DISABLE_ENV = "AMP_DISABLE_KERNELS"
 
@@ -26,10 +28,12 @@ __all__ = [
     "copy_",
     "l2_norm",
     "check_",
+    "AdamOptions",
+    "SGDOptions",
     "adam_step_",
     "sgd_step_",
-    "compact_adam_step_",
-    "compact_sgd_step_",
+    "remainder_encode",
+    "remainder_decode",
     "compact_encode",
     "compact_decode",
     "moment_encode",
@@ -223,155 +227,86 @@ def check_(tensors, found_inf):
 
 def adam_step_(
     grads,
+    lows,
     masters,
     exp_avgs,
     exp_avg_sqs,
     steps,
-    lows=None,
+    options,
     *,
+    scales=None,
     inv_scale=None,
     found_inf=None,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    decoupled,
 ):
-    """One step of torch.optim.AdamW (`decoupled`) or Adam, fused, on parallel lists of one
-    device: the gradients (any float dtype) times `inv_scale` (if given), the FP32 `masters`,
-    `exp_avgs`, `exp_avg_sqs` and `steps` (float32 0-dim, torch's `state["step"]`) updated in
-    place as torch.optim does, and `lows` (if given) set to the new masters rounded to their
-    dtype (a None in `lows`: a parameter stepped without a low-precision copy). Nothing changes
-    where `found_inf` (a float32 flag) is set: the step is skipped on the device.
+    """One step of torch.optim.AdamW (`options.decoupled`) or Adam, fused, on parallel lists of
+    one device: the gradients (any float dtype) times `inv_scale` (if given) step each row's
+    master, its moments and its step count (float32 0-dim, torch's `state["step"]`) in place.
+    Nothing changes where `found_inf` (a float32 flag) is set: the step is skipped on the device,
+    and no bit changes.
+
+    A row's master is `masters[i]` in one of three forms: a floating tensor (FP32: the master
+    itself, `lows[i]` its low-precision copy, set to its rounding, or None; a plain parameter's
+    own tensor in its own dtype), an int16 remainder (exact: `lows[i]` the bf16 weight, the pair
+    remainder_encode's) or an int8 correction (compact: compact_encode's). The moments are in the
+    master's dtype or FP32, bf16, or 8-bit codes (int8 first, uint8 second) with `scales` the two
+    lists of their block scales (moment_encode's). `lows` may be None: no copies.
 
     Numerics: each element follows torch's formula operation by operation in float32, with the
     fused multiply-adds of torch's CPU kernel's vector body, so the torch backend (that kernel)
     and the CUDA source agree bit for bit where torch's vectors cover the tensor. torch's CPU
     kernel rounds the elements of its scalar tail (past the last full vector of a thread's range)
     without fused multiply-adds: there the CUDA source, which follows the body, can land an ulp
-    away (exp_avg_sq up to 3 ulps after 3 steps with FP32 gradients). torch's for-loop and foreach
-    implementations round their last update differently and differ from it by a few ulps of the
-    update. The bias corrections are computed in double per tensor, as torch does.
+    away (exp_avg_sq up to 3 ulps after 3 steps with FP32 gradients). An exact master with FP32
+    moments is stepped by that op on its decoded FP32 value whole, so it is torch's fused step's
+    number bit for bit. torch's for-loop and foreach implementations round their last update
+    differently and differ from it by a few ulps of the update. The bias corrections are
+    computed in double per tensor, as torch does. The 8-bit and bf16 encodings are
+    `moment_encode`'s and stochastic rounding's (_codecs.py), the same on both backends.
     """
     if grads:
-        options = dict(
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled=decoupled,
-        )
-        module = _backend(masters[0].device)
-        module.adam_step_(
-            grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options
+        if lows is None:
+            lows = [None] * len(grads)
+        _backend(grads[0].device).adam_step_(
+            grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf,
+            options,
         )
 
 
 def sgd_step_(
     grads,
+    lows,
     masters,
     buffers,
-    lows=None,
+    options,
     *,
-    inv_scale=None,
-    found_inf=None,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-):
-    """One step of torch.optim.SGD, fused, as adam_step_: `buffers` are the momentum buffers
-    (unused without momentum; every one must exist: the first step, which makes them, is
-    torch's own). Numerics: torch's for-loop and foreach formula, bit for bit; torch's fused SGD
-    on the CPU (the torch backend) rounds the elements of its scalar loop (the last few of each
-    thread's range) differently, by at most an ulp.
-    """
-    if grads:
-        options = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-        )
-        module = _backend(masters[0].device)
-        module.sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options)
-
-
-def compact_adam_step_(
-    grads,
-    lows,
-    exp_avgs,
-    exp_avg_sqs,
-    steps,
-    *,
-    masters=None,
-    corrections=None,
-    scales=None,
-    inv_scale=None,
-    found_inf=None,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    decoupled,
-):
-    """adam_step_ over compact state, on parallel lists of one device. The masters are either
-    FP32 `masters` (with `lows` their low-precision copies, a None for a row without) or compact
-    (`masters` None: `lows` the bf16 weights and `corrections` their int8 corrections,
-    compact_encode's). The moments are FP32, bf16, or 8-bit codes (int8 first, uint8 second)
-    with `scales` the two lists of their block scales (moment_encode's). The step counts go up
-    by one unless `found_inf` is set; a skipped step changes no bit.
-
-    Numerics: the FP32 update is adam_step_'s (torch's fused op on the decoded values); the
-    encodings are `moment_encode`'s and `compact_encode`'s, bit for bit on both backends.
-    """
-    if grads:
-        options = dict(
-            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled
-        )
-        _backend(grads[0].device).compact_adam_step_(
-            grads, masters, exp_avgs, exp_avg_sqs, steps, lows, corrections, scales, inv_scale,
-            found_inf, options,
-        )
-
-
-def compact_sgd_step_(
-    grads,
-    lows,
-    buffers,
-    *,
-    masters=None,
-    corrections=None,
     scales=None,
     first_step=False,
     inv_scale=None,
     found_inf=None,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
 ):
-    """sgd_step_ over compact state, as compact_adam_step_: `buffers` the momentum buffers (FP32,
+    """One step of torch.optim.SGD, fused, as adam_step_: `buffers` the momentum buffers (FP32,
     bf16, or int8 codes with `scales` their block scales; unused without momentum);
-    `first_step`: they start as the gradients, as torch's first step makes them."""
+    `first_step`: they start as the gradients, as torch's first step makes them (their values
+    are not read). Numerics: torch's for-loop and foreach formula, bit for bit; torch's fused SGD
+    on the CPU (the torch backend) rounds the elements of its scalar loop (the last few of each
+    thread's range) differently, by at most an ulp."""
     if grads:
-        options = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            first_step=first_step,
+        if lows is None:
+            lows = [None] * len(grads)
+        _backend(grads[0].device).sgd_step_(
+            grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step
         )
-        _backend(grads[0].device).compact_sgd_step_(
-            grads, masters, buffers, lows, corrections, scales, inv_scale, found_inf, options
-        )
+
+
+def remainder_encode(fp32):
+    """(bf16 weights, int16 remainders) of FP32 values: the weight their rounding to nearest (exact
+    ties away from zero), the pair the FP32 bits exactly; remainder_decode gives them back."""
+    return _codecs.remainder_encode(fp32)
+
+
+def remainder_decode(bf16, remainders):
+    """The FP32 values that remainder_encode's bf16 weights and int16 remainders hold."""
+    return _codecs.remainder_decode(bf16, remainders)
 
 
 def compact_encode(fp32):

@@ -1,6 +1,13 @@
 """The compact forms of O2's state, on torch operations: the torch backend's, and the reference the
 CUDA source (multi_tensor.cu) follows operation by operation, so the two agree bit for bit.
 
+- An exact master (bf16 models): the bf16 weight, the FP32 value rounded to nearest with exact
+  ties away from zero, and a signed 16-bit remainder: the FP32 bits are the weight's shifted up by
+  16 plus the remainder, so the pair holds the FP32 value exactly in 4 bytes (Transformer Engine's
+  FusedAdam `store_param_remainders`). Ties must go away from zero: the remainder of a tie rounded
+  to even down would be +0x8000, one past int16. So one value in 131,072 (a tie whose lower
+  neighbour is even) sits one ulp from torch's nearest-even cast. A NaN stays a NaN (a quiet one;
+  its payload's low bits are not kept).
 - A compact master: the bf16 weight, the FP32 value rounded to nearest even as torch's cast rounds
   it (so every writer of the weight agrees: the model's cast, a load, the step), and an int8
   correction: the rest of the value in 1/256 of the weight's ulp, rounded to nearest even and
@@ -31,6 +38,8 @@ import torch
 
 __all__ = [
     "BLOCK",
+    "remainder_encode",
+    "remainder_decode",
     "compact_encode",
     "compact_decode",
     "signed_encode",
@@ -46,6 +55,31 @@ __all__ = [
 BLOCK = 32  # elements per scale of an 8-bit moment (a warp on the GPU)
 
 _SIGN = -(2**31)
+
+
+def remainder_encode(fp32):
+    """(bf16 weight, int16 remainder) of FP32 values: the bits split at bit 16, the weight rounded
+    to nearest (ties away from zero) and the remainder signed (see the module doc)."""
+    bits = fp32.contiguous().view(torch.int32)
+    low = bits & 0xFFFF
+    up = (low >= 0x8000).to(torch.int32)
+    high = ((bits >> 16) & 0xFFFF) + up  # the weight's bits, 0..0x10000 before the NaN fix
+    rest = low - (up << 16)  # -0x8000..0x7FFF
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    # A NaN whose rounding left the NaN patterns (up into the sign, or down to inf): a quiet NaN of
+    # its sign, remainder 0.
+    high = torch.where(nan, ((bits >> 16) & 0xFFFF) | 0x0040, high & 0xFFFF)
+    rest = rest.masked_fill(nan, 0)
+    high = torch.where(high >= 0x8000, high - 0x10000, high)  # as int16 two's complement
+    return high.to(torch.int16).view(torch.bfloat16), rest.to(torch.int16)
+
+
+def remainder_decode(bf16, remainder):
+    """The FP32 values a (bf16 weight, int16 remainder) pair holds (exact)."""
+    high = bf16.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((high << 16) + remainder.contiguous().to(torch.int64)) & 0xFFFFFFFF
+    bits = torch.where(bits >= 0x80000000, bits - 0x100000000, bits)  # as int32 two's complement
+    return bits.to(torch.int32).view(torch.float32).view(bf16.shape)
 
 
 def compact_encode(fp32):

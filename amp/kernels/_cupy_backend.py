@@ -130,8 +130,6 @@ def l2_norm(tensors):
 
 # -- the check alone and the fused master steps ---------------------------------------------------
 
-# -- the check alone and the fused master steps ---------------------------------------------------
-
 
 class ChunkFlags:
     """Which of the checked tensors held inf/NaN, as flags per chunk on the device until asked."""
@@ -234,13 +232,40 @@ def _copy_split(lows):
     return [(with_copy, _pick(lows, with_copy)), (without, None)]
 
 
-def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
+def adam_step_(
+    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options
+):
+    plain, other = _torch_backend._torch_format(masters, (exp_avgs, exp_avg_sqs), scales)
+    if plain is None:
+        _fp32_adam(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options)
+        return
+    if plain:
+        _fp32_adam(
+            *[_pick(row, plain) for row in (grads, masters, exp_avgs, exp_avg_sqs, steps)],
+            None if lows is None else _pick(lows, plain),
+            inv_scale,
+            found_inf,
+            options,
+        )
+    if other:
+        compact_adam_step_(
+            *[_pick(row, other) for row in (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)],
+            None if scales is None else tuple(_pick(s, other) for s in scales),
+            inv_scale,
+            found_inf,
+            options,
+        )
+
+
+def _fp32_adam(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
+    """amp_adam over FP32 masters and moments (torch's format); the rows it is not built for to
+    the compact kernels."""
     split = _copy_split(lows)
     if split is not None:
         for indices, picked in split:
             rows = [_pick(row, indices) for row in (grads, masters, exp_avgs, exp_avg_sqs, steps)]
             if indices:
-                adam_step_(*rows, picked, inv_scale, found_inf, options)
+                _fp32_adam(*rows, picked, inv_scale, found_inf, options)
         return
     groups, rest = _step_groups(grads, lows, masters, exp_avgs, exp_avg_sqs, steps)
     index = masters[0].device.index
@@ -248,12 +273,12 @@ def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
     arguments = (
         0 if inv_scale is None else inv_scale.data_ptr(),
         0 if found_inf is None else found_inf.data_ptr(),
-        float(options["lr"]),
-        float(options["beta1"]),
-        float(options["beta2"]),
-        float(options["eps"]),
-        float(options["weight_decay"]),
-        int(options["decoupled"]),
+        float(options.lr),
+        float(options.beta1),
+        float(options.beta2),
+        float(options.eps),
+        float(options.weight_decay),
+        int(options.decoupled),
     )
     for (grad_type, low_type), indices in groups.items():
         rows = [grads, masters, exp_avgs, exp_avg_sqs]
@@ -267,23 +292,65 @@ def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
         types = f"{_TYPE_NAMES[grad_type]}, {_TYPE_NAMES[low_type or torch.float32]}"
         cuda.run(f"amp_adam<{types}>", launches, arguments, index)
         cuda.run("amp_count_steps", launches, (arguments[1],), index, chunked=False)
-    if rest:
-        _torch_backend.adam_step_(
-            *[_pick(row, rest) for row in (grads, masters, exp_avgs, exp_avg_sqs, steps)],
-            None if lows is None else _pick(lows, rest),
+    if rest:  # the compact kernels take FP32 masters too (and leave the rest to torch)
+        compact_adam_step_(
+            _pick(grads, rest),
+            [None] * len(rest) if lows is None else _pick(lows, rest),
+            *[_pick(row, rest) for row in (masters, exp_avgs, exp_avg_sqs, steps)],
+            None,
             inv_scale,
             found_inf,
             options,
         )
 
 
-def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
+def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step):
+    momentum = options.momentum != 0
+    plain, other = _torch_backend._torch_format(
+        masters, (buffers if momentum else None,), scales if momentum else None
+    )
+    if first_step:  # amp_sgd does not start buffers; the compact kernel takes FP32 masters too
+        compact_sgd_step_(
+            grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step
+        )
+        return
+    if plain is None:
+        _fp32_sgd(grads, masters, buffers, lows, inv_scale, found_inf, options)
+        return
+    if plain:
+        _fp32_sgd(
+            _pick(grads, plain),
+            _pick(masters, plain),
+            _pick(buffers, plain) if momentum else buffers,
+            None if lows is None else _pick(lows, plain),
+            inv_scale,
+            found_inf,
+            options,
+        )
+    if other:
+        compact_sgd_step_(
+            _pick(grads, other),
+            None if lows is None else _pick(lows, other),
+            _pick(masters, other),
+            _pick(buffers, other) if momentum else buffers,
+            None if scales is None else _pick(scales, other),
+            inv_scale,
+            found_inf,
+            options,
+            first_step,
+        )
+
+
+def _fp32_sgd(grads, masters, buffers, lows, inv_scale, found_inf, options):
+    """amp_sgd over FP32 masters and buffers (torch's format), buffers made already; the rows it
+    is not built for to the compact kernels."""
     split = _copy_split(lows)
+    momentum = options.momentum
     if split is not None:
         for indices, picked in split:
-            picked_buffers = _pick(buffers, indices) if options["momentum"] != 0 else buffers
+            picked_buffers = _pick(buffers, indices) if momentum != 0 else buffers
             if indices:
-                sgd_step_(
+                _fp32_sgd(
                     _pick(grads, indices),
                     _pick(masters, indices),
                     picked_buffers,
@@ -293,19 +360,18 @@ def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
                     options,
                 )
         return
-    momentum_lists = [buffers] if options["momentum"] != 0 else []
+    momentum_lists = [buffers] if momentum != 0 else []
     groups, rest = _step_groups(grads, lows, masters, *momentum_lists)
     index = masters[0].device.index
     device = cuda.gpu(index)
-    momentum = float(options["momentum"])
     arguments = (
         0 if inv_scale is None else inv_scale.data_ptr(),
         0 if found_inf is None else found_inf.data_ptr(),
-        float(options["lr"]),
-        momentum,
-        float(options["dampening"]),
-        float(options["weight_decay"]),
-        int(options["nesterov"]),
+        float(options.lr),
+        float(momentum),
+        float(options.dampening),
+        float(options.weight_decay),
+        int(options.nesterov),
     )
     for (grad_type, low_type), indices in groups.items():
         rows = [_pick(grads, indices), _pick(masters, indices)]
@@ -319,13 +385,15 @@ def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
         launches = cuda.planned(key, device, pointers, list(map(_numel, rows[0])))
         types = f"{_TYPE_NAMES[grad_type]}, {_TYPE_NAMES[low_type or torch.float32]}"
         cuda.run(f"amp_sgd<{types}>", launches, arguments, index)
-    if rest:
-        _torch_backend.sgd_step_(
+    if rest:  # the compact kernels take FP32 masters too (and leave the rest to torch)
+        compact_sgd_step_(
             _pick(grads, rest),
+            [None] * len(rest) if lows is None else _pick(lows, rest),
             _pick(masters, rest),
             _pick(buffers, rest) if momentum != 0 else buffers,
-            None if lows is None else _pick(lows, rest),
+            None,
             inv_scale,
             found_inf,
             options,
+            False,
         )

@@ -1,8 +1,8 @@
 """The CuPy kernels' fused steps over compact state (`_codecs.py`, multi_tensor.cu's
 amp_compact_adam, amp_compact_count_steps and amp_compact_sgd): one launch per (gradient type,
-master kind, moment type) of the rows, reading and writing the bf16 weight, its correction and
-the moments' codes in one pass, with the torch backend's bits (`_torch_compact.py`). Rows of
-other types or layouts, and empty ones, go to the torch backend.
+master kind, moment type) of the rows, reading and writing the bf16 weight, its remainder or
+correction and the moments' codes in one pass, with the torch backend's bits
+(`_torch_compact.py`). Rows of other types or layouts, and empty ones, go to the torch backend.
 """
 
 import torch
@@ -13,23 +13,25 @@ from . import _cupy_device as cuda
 __all__ = ["adam_step_", "sgd_step_"]
 
 _LOWS = (torch.float16, torch.bfloat16)
+_RESTS = {torch.int8: cuda.COMPACT, torch.int16: cuda.REMAINDER}  # a master's rest: its kind
+_KINDS = frozenset(_RESTS.values())
 
 
 def _ready(tensor, dtype, numel):
     return tensor.dtype is dtype and tensor.is_contiguous() and tensor.numel() == numel
 
 
-def _master_kind(i, grad_type, numel, masters, lows, corrections):
-    """COMPACT, or the dtype of the copy of an FP32 master (float32: none), or None where no
-    kernel takes row i's master."""
-    correction = None if corrections is None else corrections[i]
+def _master_kind(i, grad_type, numel, masters, lows):
+    """COMPACT or REMAINDER (a bf16 weight and its int8 correction or int16 remainder), or the
+    dtype of the copy of an FP32 master (float32: none), or None where no kernel takes row i's
+    master."""
+    master = masters[i]
     low = None if lows is None else lows[i]
-    if correction is not None:
-        if low is not None and _ready(low, torch.bfloat16, numel):
-            return cuda.COMPACT if _ready(correction, torch.int8, numel) else None
-        return None
-    master = None if masters is None else masters[i]
-    if master is None or not _ready(master, torch.float32, numel):
+    kind = _RESTS.get(master.dtype)
+    if kind is not None:
+        ready = low is not None and _ready(low, torch.bfloat16, numel)
+        return kind if ready and _ready(master, master.dtype, numel) else None
+    if not _ready(master, torch.float32, numel):
         return None
     if low is None:  # the kernels check the copy's pointer: any type with a kernel will do
         return grad_type if grad_type in _LOWS else torch.float32
@@ -57,7 +59,7 @@ def _moment_kind(i, numel, moments):
     return kinds.pop() if len(kinds) == 1 else None
 
 
-def _compact_groups(grads, masters, lows, corrections, moments):
+def _compact_groups(grads, masters, lows, moments):
     """{(gradient dtype, master kind, moment type): indices} of the rows a compact kernel takes,
     and the rows left to the torch backend (those, and the empty ones, whose steps torch counts)."""
     groups, rest = {}, []
@@ -65,7 +67,7 @@ def _compact_groups(grads, masters, lows, corrections, moments):
         numel = grad.numel()
         key = None
         if numel and grad.dtype in cuda.TYPE_NAMES and grad.is_contiguous():
-            master = _master_kind(i, grad.dtype, numel, masters, lows, corrections)
+            master = _master_kind(i, grad.dtype, numel, masters, lows)
             moment = _moment_kind(i, numel, moments) if moments else torch.float32
             if (grad.dtype, master) in cuda.COMPACT_MASTERS and moment is not None:
                 key = (grad.dtype, master, moment)
@@ -80,17 +82,17 @@ def _pointers(values, indices):
     return [0 if values is None or values[i] is None else values[i].data_ptr() for i in indices]
 
 
-def _master_pointers(master, masters, lows, corrections, indices):
-    """Lists 1 and 2 of a compact launch: the bf16 weights and corrections of compact masters,
-    or the FP32 masters and their copies (0: none)."""
-    if master == cuda.COMPACT:
-        return [_pointers(lows, indices), _pointers(corrections, indices)]
+def _master_pointers(master, masters, lows, indices):
+    """Lists 1 and 2 of a compact launch: the bf16 weights and their rests (remainders or
+    corrections), or the FP32 masters and their copies (0: none)."""
+    if master in _KINDS:
+        return [_pointers(lows, indices), _pointers(masters, indices)]
     return [_pointers(masters, indices), _pointers(lows, indices)]
 
 
 def _list_ends(master, masters, lows, indices):
     """A launch plan's key part, as _ends: the first and last tensors of list 1, and the count."""
-    first_list = lows if master == cuda.COMPACT else masters
+    first_list = lows if master in _KINDS else masters
     return id(first_list[indices[0]]), id(first_list[indices[-1]]), len(indices)
 
 
@@ -99,25 +101,11 @@ def _picked(values, indices):
 
 
 def adam_step_(
-    grads,
-    masters,
-    exp_avgs,
-    exp_avg_sqs,
-    steps,
-    lows,
-    corrections,
-    scales,
-    inv_scale,
-    found_inf,
-    options,
+    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options
 ):
     m_scales, v_scales = scales if scales is not None else (None, None)
     groups, rest = _compact_groups(
-        grads,
-        masters,
-        lows,
-        corrections,
-        [(exp_avgs, m_scales, True), (exp_avg_sqs, v_scales, False)],
+        grads, masters, lows, [(exp_avgs, m_scales, True), (exp_avg_sqs, v_scales, False)]
     )
     if groups:
         index = grads[0].device.index
@@ -126,31 +114,25 @@ def adam_step_(
         arguments = (
             0 if inv_scale is None else inv_scale.data_ptr(),
             found,
-            float(options["lr"]),
-            float(options["beta1"]),
-            float(options["beta2"]),
-            float(options["eps"]),
-            float(options["weight_decay"]),
-            int(options["decoupled"]),
+            float(options.lr),
+            float(options.beta1),
+            float(options.beta2),
+            float(options.eps),
+            float(options.weight_decay),
+            int(options.decoupled),
         )
     for (grad_type, master, moment), indices in groups.items():
         coded = moment is torch.int8
         pointers = [
             _pointers(grads, indices),
-            *_master_pointers(master, masters, lows, corrections, indices),
+            *_master_pointers(master, masters, lows, indices),
             _pointers(exp_avgs, indices),
             _pointers(exp_avg_sqs, indices),
             _pointers(m_scales if coded else None, indices),
             _pointers(v_scales if coded else None, indices),
             _pointers(steps, indices),
         ]
-        key = (
-            "compact_adam",
-            grad_type,
-            master,
-            moment,
-            *_list_ends(master, masters, lows, indices),
-        )
+        key = ("compact_adam", grad_type, master, moment, *_list_ends(master, masters, lows, indices))
         launches = cuda.planned(key, device, pointers, [grads[i].numel() for i in indices])
         cuda.run(
             cuda.compact_kernel("amp_compact_adam", grad_type, master, moment),
@@ -161,8 +143,7 @@ def adam_step_(
         cuda.run("amp_compact_count_steps", launches, (found,), index, chunked=False)
     if rest:
         _torch_backend.compact_adam_step_(
-            *[_picked(row, rest) for row in (grads, masters, exp_avgs, exp_avg_sqs, steps, lows)],
-            _picked(corrections, rest),
+            *[_picked(row, rest) for row in (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)],
             None if scales is None else (_picked(m_scales, rest), _picked(v_scales, rest)),
             inv_scale,
             found_inf,
@@ -170,39 +151,33 @@ def adam_step_(
         )
 
 
-def sgd_step_(grads, masters, buffers, lows, corrections, scales, inv_scale, found_inf, options):
-    momentum = options["momentum"] != 0
+def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step):
+    momentum = options.momentum != 0
     moments = [(buffers, scales, True)] if momentum else []
-    groups, rest = _compact_groups(grads, masters, lows, corrections, moments)
+    groups, rest = _compact_groups(grads, masters, lows, moments)
     if groups:
         index = grads[0].device.index
         device = cuda.gpu(index)
         arguments = (
             0 if inv_scale is None else inv_scale.data_ptr(),
             0 if found_inf is None else found_inf.data_ptr(),
-            float(options["lr"]),
-            float(options["momentum"]),
-            float(options["dampening"]),
-            float(options["weight_decay"]),
-            int(options["nesterov"]),
-            int(bool(options.get("first_step", False))),
+            float(options.lr),
+            float(options.momentum),
+            float(options.dampening),
+            float(options.weight_decay),
+            int(options.nesterov),
+            int(bool(first_step)),
         )
     for (grad_type, master, moment), indices in groups.items():
         coded = moment is torch.int8
         pointers = [
             _pointers(grads, indices),
-            *_master_pointers(master, masters, lows, corrections, indices),
+            *_master_pointers(master, masters, lows, indices),
             _pointers(buffers if momentum else None, indices),
             _pointers(scales if coded else None, indices),
             [0] * len(indices),
         ]
-        key = (
-            "compact_sgd",
-            grad_type,
-            master,
-            moment,
-            *_list_ends(master, masters, lows, indices),
-        )
+        key = ("compact_sgd", grad_type, master, moment, *_list_ends(master, masters, lows, indices))
         launches = cuda.planned(key, device, pointers, [grads[i].numel() for i in indices])
         cuda.run(
             cuda.compact_kernel("amp_compact_sgd", grad_type, master, moment),
@@ -213,12 +188,12 @@ def sgd_step_(grads, masters, buffers, lows, corrections, scales, inv_scale, fou
     if rest:
         _torch_backend.compact_sgd_step_(
             _picked(grads, rest),
+            _picked(lows, rest),
             _picked(masters, rest),
             _picked(buffers, rest) if momentum else buffers,
-            _picked(lows, rest),
-            _picked(corrections, rest),
             _picked(scales, rest),
             inv_scale,
             found_inf,
             options,
+            first_step,
         )

@@ -18,6 +18,7 @@ __all__ = [
     "TYPE_NAMES",
     "STEP_TYPES",
     "COMPACT",
+    "REMAINDER",
     "COMPACT_MASTERS",
     "MOMENT_NAMES",
     "compact_kernel",
@@ -43,17 +44,22 @@ STEP_TYPES = frozenset(
     [(t, t) for t in TYPE_NAMES] + [(torch.float32, t) for t in (torch.float16, torch.bfloat16)]
 )
 COMPACT = "compact"  # the master of a compact step held as a bf16 weight and an int8 correction
-# (gradient, master) types of the compact steps: a compact master with any gradient type, or an
-# FP32 master with a copy of the types the fused steps write (STEP_TYPES; float32: no copy).
-COMPACT_MASTERS = frozenset([(t, COMPACT) for t in TYPE_NAMES] + list(STEP_TYPES))
+REMAINDER = "remainder"  # ... as a bf16 weight and an int16 remainder (an exact master)
+_MASTER_NAMES = {COMPACT: "amp::Compact", REMAINDER: "amp::Remainder"}
+# (gradient, master) types of the compact steps: a bf16 weight with its correction or remainder and
+# any gradient type, or an FP32 master with a copy of the types the fused steps write
+# (STEP_TYPES; float32: no copy).
+COMPACT_MASTERS = frozenset(
+    [(t, kind) for t in TYPE_NAMES for kind in _MASTER_NAMES] + list(STEP_TYPES)
+)
 # The moments of a compact step, by the first moment's dtype: FP32, bf16, or 8-bit codes.
 MOMENT_NAMES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.int8: "amp::Codes8"}
 
 
 def compact_kernel(kernel, grad, master, moment):
-    """The name of compact kernel `kernel` for a gradient dtype, a master (COMPACT or its copy's
-    dtype) and a moment dtype (MOMENT_NAMES)."""
-    master_name = "amp::Compact" if master == COMPACT else f"amp::Exact<{TYPE_NAMES[master]}>"
+    """The name of compact kernel `kernel` for a gradient dtype, a master (COMPACT, REMAINDER or
+    its copy's dtype) and a moment dtype (MOMENT_NAMES)."""
+    master_name = _MASTER_NAMES.get(master) or f"amp::Exact<{TYPE_NAMES[master]}>"
     return f"{kernel}<{TYPE_NAMES[grad]}, {master_name}, {MOMENT_NAMES[moment]}>"
 
 

@@ -31,6 +31,7 @@ __all__ = [
 
 _unscale_op = torch._amp_foreach_non_finite_check_and_unscale_
 _dtype = operator.attrgetter("dtype")  # read at C level: the step's path stays O(1) Python calls
+_FLOATING = operator.attrgetter("is_floating_point")
 _PIECE = 1 << 20  # elements: a float64 copy of a piece is 8 MiB
 # A float32 sum of squares of at least 2**-100 has lost at most n * 2**-150 to subnormal squares.
 _SMALL_NORM = 2.0**-50
@@ -224,17 +225,53 @@ def _copy_back(lows, masters):
         torch._foreach_copy_(lows, masters)
 
 
-def adam_step_(grads, masters, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
-    """One step of AdamW (options["decoupled"]) or Adam by torch's fused op, once per dtype of
-    the masters; see kernels."""
-    for rows in _one_dtype_each(masters, grads, exp_avgs, exp_avg_sqs, steps, lows):
-        _adam_step(*rows, inv_scale, found_inf, options)
+def _torch_format(masters, moments, scales):
+    """Indices of the rows torch's fused op steps as they are (a floating master whose moments
+    are of its dtype: torch's format), of the others (compact forms: _torch_compact.py); None for
+    the second where every row is of the first kind."""
+    masters_dtypes = list(map(_dtype, masters))
+    if (
+        scales is None
+        and all(list(map(_dtype, m)) == masters_dtypes for m in moments if m is not None)
+        and all(map(_FLOATING, masters_dtypes))
+    ):
+        return None, None
+    plain, other = [], []
+    for i, dtype in enumerate(masters_dtypes):
+        same = scales is None and all(m is None or m[i].dtype is dtype for m in moments)
+        (plain if dtype.is_floating_point and same else other).append(i)
+    return plain, other
+
+
+def _pick(values, indices):
+    return None if values is None else [values[i] for i in indices]
+
+
+def adam_step_(grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf,
+               options):
+    """One step of AdamW (options.decoupled) or Adam: torch's fused op on the rows in torch's
+    format, once per dtype of the masters; the compact forms' rows by _torch_compact.py."""
+    plain, other = _torch_format(masters, (exp_avgs, exp_avg_sqs), scales)
+    if plain is None:
+        rows = (masters, grads, exp_avgs, exp_avg_sqs, steps, lows)
+        for group in _one_dtype_each(*rows):
+            _adam_step(*group, inv_scale, found_inf, options)
+        return
+    if plain:
+        adam_step_(
+            *[_pick(r, plain) for r in (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)],
+            None, inv_scale, found_inf, options,
+        )
+    if other:
+        picked = [_pick(r, other) for r in (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)]
+        scale_lists = None if scales is None else tuple(_pick(s, other) for s in scales)
+        compact_adam_step_(*picked, scale_lists, inv_scale, found_inf, options)
 
 
 def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
     grads = _unscaled_gradients(grads, inv_scale)
     torch._foreach_add_(steps, 1)
-    step = torch._fused_adamw_ if options["decoupled"] else torch._fused_adam_
+    step = torch._fused_adamw_ if options.decoupled else torch._fused_adam_
     step(
         masters,
         grads,
@@ -242,11 +279,11 @@ def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
         exp_avg_sqs,
         [],
         steps,
-        lr=options["lr"],
-        beta1=options["beta1"],
-        beta2=options["beta2"],
-        weight_decay=options["weight_decay"],
-        eps=options["eps"],
+        lr=options.lr,
+        beta1=options.beta1,
+        beta2=options.beta2,
+        weight_decay=options.weight_decay,
+        eps=options.eps,
         amsgrad=False,
         maximize=False,
         found_inf=found_inf,
@@ -256,26 +293,46 @@ def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
     _copy_back(lows, masters)
 
 
-def sgd_step_(grads, masters, buffers, lows, inv_scale, found_inf, options):
-    """One step of SGD by torch's fused op, once per dtype of the masters; see kernels."""
-    buffers = buffers if options["momentum"] != 0 else None
-    for rows in _one_dtype_each(masters, grads, buffers, lows):
-        _sgd_step(*rows, inv_scale, found_inf, options)
+def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step):
+    """One step of SGD: torch's fused op on the rows in torch's format, once per dtype of the
+    masters (`first_step`: the buffers start as the gradients); the compact forms' rows by
+    _torch_compact.py."""
+    momentum = options.momentum != 0
+    plain, other = _torch_format(
+        masters, (buffers if momentum else None,), scales if momentum else None
+    )
+    if plain is None:
+        for group in _one_dtype_each(masters, grads, buffers if momentum else None, lows):
+            _sgd_step(*group, inv_scale, found_inf, options, first_step)
+        return
+    if plain:
+        sgd_step_(
+            _pick(grads, plain), _pick(lows, plain), _pick(masters, plain),
+            _pick(buffers, plain) if momentum else buffers, None, inv_scale, found_inf,
+            options, first_step,
+        )
+    if other:
+        compact_sgd_step_(
+            _pick(grads, other), _pick(lows, other), _pick(masters, other),
+            _pick(buffers, other) if momentum else buffers,
+            None if scales is None else _pick(scales, other),
+            inv_scale, found_inf, options, first_step,
+        )
 
 
-def _sgd_step(masters, grads, buffers, lows, inv_scale, found_inf, options):
+def _sgd_step(masters, grads, buffers, lows, inv_scale, found_inf, options, first_step):
     grads = _unscaled_gradients(grads, inv_scale)
     torch._fused_sgd_(
         masters,
         grads,
         [] if buffers is None else buffers,
-        weight_decay=options["weight_decay"],
-        momentum=options["momentum"],
-        lr=options["lr"],
-        dampening=options["dampening"],
-        nesterov=options["nesterov"],
+        weight_decay=options.weight_decay,
+        momentum=options.momentum,
+        lr=options.lr,
+        dampening=options.dampening,
+        nesterov=options.nesterov,
         maximize=False,
-        is_first_step=False,
+        is_first_step=first_step,
         found_inf=found_inf,
     )
     _copy_back(lows, masters)

@@ -1,45 +1,100 @@
-"""The torch backend's fused steps over compact state (`_codecs.py`): a master held as its bf16
-weight and an int8 correction, moments held in 8 bits (codes and block scales) or in bf16.
+"""The torch backend's fused steps over the compact forms of the state (`_codecs.py`): a master
+held as its bf16 weight and an int16 remainder (exact) or an int8 correction, moments held in
+8 bits (codes and block scales) or in bf16.
 
-Each tensor is stepped in pieces of at most PIECE elements (a multiple of the moments' block):
-the piece's master, moments and unscaled gradient are made FP32, torch's own fused op steps
-them, and they are written back in their compact forms. The FP32 temporaries of one piece are
-all the step holds beyond the state, so its peak does not grow with the model. Where the
-overflow flag is set, torch's op changes nothing and every form written back is selected from
-before (not encoded again: an inf weight's correction, a NaN's payload, a low copy another
-writer made stay as they were), so a skipped step changes no bit.
+An exact master with FP32 moments is stepped whole: the rows' values decoded into FP32 tensors
+of their weights' shapes, torch's own fused op on them as on FP32 masters, and encoded back. So
+its numbers are torch's fused step's on the same tensors, bit for bit whatever the thread count
+(torch's CPU op rounds the tail of each thread's range apart from its vector body, and pieces
+would move those tails). Rows are stepped a run of at most WHOLE elements at a time.
+
+Every other row is stepped in pieces of at most PIECE elements (a multiple of the moments'
+block): the piece's master, moments and unscaled gradient are made FP32, torch's own fused op
+steps them, and they are written back in their forms. The FP32 temporaries of one piece are all
+the step holds beyond the state, so its peak does not grow with the model. Where the overflow flag
+is set, torch's op changes nothing and every form written back is selected from before (not
+encoded again: an inf weight's correction, a NaN's payload, a low copy another writer made stay
+as they were), so a skipped step changes no bit.
 """
+
+import operator
 
 import torch
 
 from . import _codecs
 
-__all__ = ["PIECE", "adam_step_", "sgd_step_"]
+__all__ = ["PIECE", "WHOLE", "adam_step_", "sgd_step_"]
 
 PIECE = 1 << 20  # elements per piece: 4 MiB a FP32 temporary
+WHOLE = 1 << 24  # elements per run of rows stepped whole
+_dtype = operator.attrgetter("dtype")
+_numel = torch.Tensor.numel
+
+
+def _whole_rows(masters, moments, scales):
+    """Indices of the rows stepped whole (an int16 remainder, FP32 moments) and of the others."""
+    whole, pieces = [], []
+    for i, master in enumerate(masters):
+        fp32 = scales is None and all(m is None or m[i].dtype is torch.float32 for m in moments)
+        (whole if master.dtype is torch.int16 and fp32 else pieces).append(i)
+    return whole, pieces
+
+
+def _pick(values, indices):
+    return None if values is None else [values[i] for i in indices]
+
+
+def _runs(indices, numels):
+    """`indices` in runs of at most WHOLE elements (a larger tensor alone)."""
+    runs, run, size = [], [], 0
+    for i in indices:
+        if run and size + numels[i] > WHOLE:
+            runs.append(run)
+            run, size = [], 0
+        run.append(i)
+        size += numels[i]
+    if run:
+        runs.append(run)
+    return runs
 
 
 def adam_step_(
-    grads,
-    masters,
-    exp_avgs,
-    exp_avg_sqs,
-    steps,
-    lows,
-    corrections,
-    scales,
-    inv_scale,
-    found_inf,
-    options,
+    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options
 ):
-    """kernels.adam_step_ over compact masters (`corrections`, masters None) and/or encoded
-    moments (`scales`: the two moments' block scales for 8-bit codes; bf16 moments need none)."""
+    """kernels.adam_step_ over rows with compact masters (an int16 remainder or an int8
+    correction of the bf16 `lows`) and/or encoded moments (`scales`: the two moments' block
+    scales for 8-bit codes; bf16 moments need none)."""
+    whole, pieces = _whole_rows(masters, (exp_avgs, exp_avg_sqs), scales)
     torch._foreach_add_(steps, 1)
-    step = torch._fused_adamw_ if options["decoupled"] else torch._fused_adam_
+    step = torch._fused_adamw_ if options.decoupled else torch._fused_adam_
+    kwargs = dict(
+        lr=options.lr,
+        beta1=options.beta1,
+        beta2=options.beta2,
+        weight_decay=options.weight_decay,
+        eps=options.eps,
+        amsgrad=False,
+        maximize=False,
+        found_inf=found_inf,
+    )
+    numels = list(map(_numel, grads))
+    for run in _runs(whole, numels):
+        values = _Whole(_pick(lows, run), _pick(masters, run))
+        step(
+            values.fp32,
+            _unscaled_whole(_pick(grads, run), inv_scale),
+            _pick(exp_avgs, run),
+            _pick(exp_avg_sqs, run),
+            [],
+            _pick(steps, run),
+            **kwargs,
+        )
+        values.write_back()
     m_scales, v_scales = scales if scales is not None else (None, None)
-    for i, grad in enumerate(grads):
+    for i in pieces:
+        grad = grads[i]
         for piece in _pieces(grad):
-            master = _Master(masters, lows, corrections, i, piece)
+            master = _Master(masters[i], None if lows is None else lows[i], piece)
             m = _Moment(exp_avgs[i], None if m_scales is None else m_scales[i], True, piece)
             v = _Moment(exp_avg_sqs[i], None if v_scales is None else v_scales[i], False, piece)
             v.step = steps[i]  # its codes are rounded stochastically (_codecs.dither)
@@ -50,14 +105,7 @@ def adam_step_(
                 [v.fp32],
                 [],
                 [steps[i]],
-                lr=options["lr"],
-                beta1=options["beta1"],
-                beta2=options["beta2"],
-                weight_decay=options["weight_decay"],
-                eps=options["eps"],
-                amsgrad=False,
-                maximize=False,
-                found_inf=found_inf,
+                **kwargs,
             )
             master.write_back(found_inf)
             m.write_back(found_inf)
@@ -66,14 +114,36 @@ def adam_step_(
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
-def sgd_step_(grads, masters, buffers, lows, corrections, scales, inv_scale, found_inf, options):
-    """kernels.sgd_step_ over compact masters and/or encoded momentum buffers (`scales` their
-    block scales for 8-bit codes); options["first_step"]: the buffers start as the gradients
+def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step):
+    """kernels.sgd_step_ over rows with compact masters and/or encoded momentum buffers (`scales`
+    their block scales for 8-bit codes); `first_step`: the buffers start as the gradients
     (torch's first step)."""
-    momentum = options["momentum"] != 0
-    for i, grad in enumerate(grads):
+    momentum = options.momentum != 0
+    whole, pieces = _whole_rows(masters, (buffers if momentum else None,), scales)
+    kwargs = dict(
+        weight_decay=options.weight_decay,
+        momentum=options.momentum,
+        lr=options.lr,
+        dampening=options.dampening,
+        nesterov=options.nesterov,
+        maximize=False,
+        is_first_step=first_step,
+        found_inf=found_inf,
+    )
+    numels = list(map(_numel, grads))
+    for run in _runs(whole, numels):
+        values = _Whole(_pick(lows, run), _pick(masters, run))
+        torch._fused_sgd_(
+            values.fp32,
+            _unscaled_whole(_pick(grads, run), inv_scale),
+            _pick(buffers, run) if momentum else [],
+            **kwargs,
+        )
+        values.write_back()
+    for i in pieces:
+        grad = grads[i]
         for piece in _pieces(grad):
-            master = _Master(masters, lows, corrections, i, piece)
+            master = _Master(masters[i], None if lows is None else lows[i], piece)
             buffer = None
             if momentum:
                 buffer = _Moment(buffers[i], None if scales is None else scales[i], True, piece)
@@ -81,14 +151,7 @@ def sgd_step_(grads, masters, buffers, lows, corrections, scales, inv_scale, fou
                 [master.fp32],
                 [_unscaled(grad, piece, inv_scale)],
                 [] if buffer is None else [buffer.fp32],
-                weight_decay=options["weight_decay"],
-                momentum=options["momentum"],
-                lr=options["lr"],
-                dampening=options["dampening"],
-                nesterov=options["nesterov"],
-                maximize=False,
-                is_first_step=bool(options.get("first_step", False)),
-                found_inf=found_inf,
+                **kwargs,
             )
             master.write_back(found_inf)
             if buffer is not None:
@@ -111,6 +174,57 @@ def _unscaled(grad, piece, inv_scale):
     return values if inv_scale is None else values.mul_(inv_scale)
 
 
+def _unscaled_whole(grads, inv_scale):
+    """The gradients in FP32, each in its own layout, times `inv_scale` (one rounding)."""
+    if inv_scale is None and all(grad.dtype is torch.float32 for grad in grads):
+        return grads
+    copies = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
+    torch._foreach_copy_(copies, grads)  # exact
+    if inv_scale is not None:
+        torch._foreach_mul_(copies, inv_scale)
+    return copies
+
+
+class _Whole:
+    """The FP32 values of exact masters (bf16 weights, int16 remainders), each an FP32 tensor in
+    its weight's layout (torch's fused op walks all of a row's tensors in memory order), and
+    their write-back. Re-encoding what was decoded gives the same bits, so where the overflow
+    flag left the values as they were nothing changes. Contiguous rows are decoded and encoded
+    in one buffer."""
+
+    def __init__(self, lows, remainders):
+        self.lows, self.remainders = lows, remainders
+        self.buffer = None
+        if all(t.is_contiguous() for t in (*lows, *remainders)):
+            self.buffer = _codecs.remainder_decode(
+                torch.cat([low.view(-1) for low in lows]),
+                torch.cat([rem.view(-1) for rem in remainders]),
+            )
+            parts = self.buffer.split(list(map(_numel, lows)))
+            self.fp32 = [part.view(low.shape) for part, low in zip(parts, lows)]
+        else:
+            self.fp32 = [torch.empty_like(low, dtype=torch.float32) for low in lows]
+            for value, low, rem in zip(self.fp32, lows, remainders):
+                value.copy_(_codecs.remainder_decode(low, rem))
+
+    def write_back(self):
+        lows, remainders = self.lows, self.remainders
+        if self.buffer is not None:
+            weights, rests = _codecs.remainder_encode(self.buffer)
+            numels = list(map(_numel, lows))
+            torch._foreach_copy_(
+                [low.view(-1) for low in lows], list(weights.split(numels))
+            )
+            torch._foreach_copy_(
+                [rem.view(-1) for rem in remainders], list(rests.split(numels))
+            )
+            return
+        for value, low, rem in zip(self.fp32, lows, remainders):
+            weight, rest = _codecs.remainder_encode(value)
+            low.copy_(weight.view(low.shape))
+            rem.copy_(rest.view(rem.shape))
+
+
 def _write(tensor, piece, values, found_inf=None):
     """tensor.flat[piece] = values, for a contiguous tensor or one written back whole; where
     `found_inf` is set, the old values (a select: no sync)."""
@@ -126,32 +240,30 @@ def _write(tensor, piece, values, found_inf=None):
 
 class _Master:
     """A piece of one master as FP32: a view of an FP32 master (stepped in place), or the decoded
-    compact master."""
+    compact one (its int16 remainder or int8 correction of the bf16 `low`)."""
 
-    def __init__(self, masters, lows, corrections, index, piece):
-        self.low = None if lows is None else lows[index]
-        self.correction = None if corrections is None else corrections[index]
-        self.piece = piece
-        if self.correction is None:
-            master = masters[index]
-            self.fp32 = _flat(master)[piece]
-            self.master = master
+    def __init__(self, master, low, piece):
+        self.master, self.low, self.piece = master, low, piece
+        if master.dtype is torch.int16:
+            self.fp32 = _codecs.remainder_decode(_flat(low)[piece], _flat(master)[piece])
+        elif master.dtype is torch.int8:
+            self.fp32 = _codecs.compact_decode(_flat(low)[piece], _flat(master)[piece])
         else:
-            self.fp32 = _codecs.compact_decode(
-                _flat(self.low)[piece], self.correction.view(-1)[piece]
-            )
+            self.fp32 = _flat(master)[piece]
 
     def write_back(self, found_inf):
         """The stepped values into the master's forms (the old ones where `found_inf` is set)."""
-        if self.correction is None:
-            if not self.master.is_contiguous():
-                _write(self.master, self.piece, self.fp32)  # unchanged by a skipped step
-            if self.low is not None:
-                _write(self.low, self.piece, self.fp32.to(self.low.dtype), found_inf)
+        master, low, piece = self.master, self.low, self.piece
+        if master.dtype.is_floating_point:
+            if not master.is_contiguous():
+                _write(master, piece, self.fp32)  # unchanged by a skipped step
+            if low is not None:
+                _write(low, piece, self.fp32.to(low.dtype), found_inf)
             return
-        low, correction = _codecs.compact_encode(self.fp32)
-        _write(self.low, self.piece, low, found_inf)
-        _write(self.correction, self.piece, correction, found_inf)
+        encode = _codecs.remainder_encode if master.dtype is torch.int16 else _codecs.compact_encode
+        weight, rest = encode(self.fp32)
+        _write(low, piece, weight, found_inf)
+        _write(master, piece, rest, found_inf)
 
 
 class _Moment:

@@ -353,6 +353,7 @@ constexpr int kWarp = 32;  // threads per warp = elements per block of an 8-bit 
 
 // The kinds of master and moments the compact kernels take (template parameters).
 struct Compact {};                      // a bf16 weight and an int8 correction
+struct Remainder {};                    // a bf16 weight and an int16 remainder (exact)
 template <typename L> struct Exact {};  // an FP32 master and its copy in L (a null pointer: none)
 struct Codes8 {};                       // int8 softsign codes (signed), uint8 square-root codes
 
@@ -387,6 +388,30 @@ __device__ __forceinline__ void compact_encode(float x, unsigned short& weight,
   if (nan) high = 0x7fc0u;
   weight = static_cast<unsigned short>(high | ((bits >> 31) << 15));
   correction = static_cast<signed char>(low);
+}
+
+// A master's FP32 value from its bf16 weight bits and int16 remainder: the weight's bits shifted
+// up by 16 plus the remainder, exact (uint32 arithmetic wraps as _codecs.py's int64 one is cut).
+__device__ __forceinline__ float remainder_decode(unsigned short weight, short remainder) {
+  return __uint_as_float((static_cast<unsigned int>(weight) << 16) +
+                         static_cast<unsigned int>(static_cast<int>(remainder)));
+}
+
+// The bf16 weight bits and int16 remainder of an FP32 value: the bits split at bit 16, the weight
+// rounded to nearest with ties away from zero (the remainder of a tie rounded down to even would
+// not fit), a NaN a quiet NaN of its sign with remainder 0 (_codecs.py).
+__device__ __forceinline__ void remainder_encode(float x, unsigned short& weight,
+                                                 short& remainder) {
+  const unsigned int bits = __float_as_uint(x);
+  const unsigned int low = bits & 0xffffu;
+  const unsigned int up = low >= 0x8000u ? 1u : 0u;
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    weight = static_cast<unsigned short>((bits >> 16) | 0x40u);
+    remainder = 0;
+    return;
+  }
+  weight = static_cast<unsigned short>((bits >> 16) + up);
+  remainder = static_cast<short>(static_cast<int>(low) - static_cast<int>(up << 16));
 }
 
 // The largest of the warp's 32 values (non-negative floats' bits: their order is the values'),
@@ -468,7 +493,8 @@ __device__ __forceinline__ unsigned char unsigned_encode(float value, float nois
 }
 
 // A chunk's master in a compact step, in its form (lists 1 and 2 of the launch): a compact one's
-// bf16 weight and int8 correction, or an FP32 master and its low-precision copy (or none).
+// bf16 weight and int8 correction, an exact one's bf16 weight and int16 remainder, or an FP32
+// master and its low-precision copy (or none).
 template <typename Master> struct MasterList;
 
 template <> struct MasterList<Compact> {
@@ -487,6 +513,25 @@ template <> struct MasterList<Compact> {
     compact_encode(value, high, low);
     weight[i] = high;
     correction[i] = low;
+  }
+};
+
+template <> struct MasterList<Remainder> {
+  unsigned short* weight;
+  short* remainder;
+  __device__ __forceinline__ MasterList(unsigned long long first_list,
+                                        unsigned long long second_list, long long first)
+      : weight(reinterpret_cast<unsigned short*>(first_list) + first),
+        remainder(reinterpret_cast<short*>(second_list) + first) {}
+  __device__ __forceinline__ float load(long long i) const {
+    return remainder_decode(weight[i], remainder[i]);
+  }
+  __device__ __forceinline__ void store(long long i, float value) const {
+    unsigned short high;
+    short low;
+    remainder_encode(value, high, low);
+    weight[i] = high;
+    remainder[i] = low;
   }
 };
 
@@ -767,9 +812,9 @@ amp_sgd(const AMP_GRID_CONSTANT amp::Meta<4> meta, const float* inv, const float
 
 // The fused step of AdamW / Adam over compact state, as amp_adam: lists (gradient G, master,
 // master's second list, exp_avg, exp_avg_sq, exp_avg's scales, exp_avg_sq's scales, step).
-// Master amp::Compact: lists 1 and 2 are the bf16 weight and the int8 correction; amp::Exact<L>:
-// the FP32 master and its copy in L (null: none). Moment float / __nv_bfloat16: the moments as
-// held, lists 5 and 6 null; amp::Codes8: int8 softsign and uint8 square-root codes, lists 5 and
+// Master amp::Compact: lists 1 and 2 are the bf16 weight and the int8 correction; amp::Remainder:
+// the bf16 weight and the int16 remainder; amp::Exact<L>: the FP32 master and its copy in L (null:
+// none). Moment float / __nv_bfloat16: the moments as held, lists 5 and 6 null; amp::Codes8: int8 softsign and uint8 square-root codes, lists 5 and
 // 6 their fp32 scales per 32 elements. Each element is decoded, stepped by amp::adam_element and
 // encoded; a warp takes 32 elements at a time, a block of the 8-bit moments (`chunk` must be a
 // multiple of 32), and lane 0 writes its scales. Nothing happens where *found != 0;
@@ -917,6 +962,9 @@ AMP_STEP_KERNELS(float, float)
 AMP_COMPACT_MOMENTS(__nv_bfloat16, amp::Compact)
 AMP_COMPACT_MOMENTS(__half, amp::Compact)
 AMP_COMPACT_MOMENTS(float, amp::Compact)
+AMP_COMPACT_MOMENTS(__nv_bfloat16, amp::Remainder)
+AMP_COMPACT_MOMENTS(__half, amp::Remainder)
+AMP_COMPACT_MOMENTS(float, amp::Remainder)
 AMP_COMPACT_MOMENTS(__half, amp::Exact<__half>)
 AMP_COMPACT_MOMENTS(__nv_bfloat16, amp::Exact<__nv_bfloat16>)
 AMP_COMPACT_MOMENTS(float, amp::Exact<float>)

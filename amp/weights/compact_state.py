@@ -282,28 +282,27 @@ def launch(form, calls, found_inf):
     """Carry out plan's calls (skipped on the device where `found_inf` is set)."""
     for call in calls:
         scales = call["scales"]
-        common = dict(
-            masters=call["masters"],
-            corrections=call["corrections"],
-            inv_scale=call["inv_scale"],
-            found_inf=found_inf,
-            **call["options"],
-        )
+        masters = call["corrections"] if call["masters"] is None else call["masters"]
+        common = dict(inv_scale=call["inv_scale"], found_inf=found_inf)
         if form.kind == "adam":
-            kernels.compact_adam_step_(
+            kernels.adam_step_(
                 call["grads"],
                 call["lows"],
+                masters,
                 call["moments"][0],
                 call["moments"][1],
                 call["steps"],
+                kernels.AdamOptions(**call["options"]),
                 scales=None if scales is None else tuple(scales),
                 **common,
             )
         else:
-            kernels.compact_sgd_step_(
+            kernels.sgd_step_(
                 call["grads"],
                 call["lows"],
+                masters,
                 call["moments"][0] or [],
+                kernels.SGDOptions(**call["options"]),
                 scales=None if scales is None else scales[0],
                 first_step=call["first_step"],
                 **common,

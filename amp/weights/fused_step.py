@@ -222,7 +222,6 @@ class FusedStep:
                 hook(optimizer, args, kwargs)
 
     def _launch(self, calls, found_inf):
-        step = kernels.adam_step_ if self.kind == "adam" else kernels.sgd_step_
         # torch.no_grad() inlined: its context manager's calls would run at every step.
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -233,15 +232,16 @@ class FusedStep:
             for options, grads, params, models, tensors, inv_scale, states in calls:
                 if states is not None:  # torch's CPU step counts: moved once (_state)
                     tensors = (*tensors[:2], _steps_on(params, states))
-                step(
-                    grads,
-                    params,
-                    *tensors,
-                    models,
-                    inv_scale=inv_scale,
-                    found_inf=found_inf,
-                    **options,
-                )
+                if self.kind == "adam":
+                    kernels.adam_step_(
+                        grads, models, params, *tensors, kernels.AdamOptions(**options),
+                        inv_scale=inv_scale, found_inf=found_inf,
+                    )
+                else:
+                    kernels.sgd_step_(
+                        grads, models, params, *tensors, kernels.SGDOptions(**options),
+                        inv_scale=inv_scale, found_inf=found_inf,
+                    )
         finally:
             torch._C._set_grad_enabled(grad_enabled)
 

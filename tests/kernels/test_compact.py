@@ -1,6 +1,7 @@
 """Compact state (amp/kernels/_codecs.py, _torch_compact.py): a master as its bf16 weight and an
-int8 correction, moments in 8 bits or bf16, and the fused steps over them: the FP32 update of the
-decoded values, in pieces that change nothing, a skipped step that changes no bit."""
+int16 remainder (exact) or an int8 correction, moments in 8 bits or bf16, and the fused steps over
+them: the FP32 update of the decoded values (torch's fused step's bits for exact masters), in
+pieces that change nothing, a skipped step that changes no bit."""
 
 import pytest
 import torch
@@ -42,6 +43,48 @@ def test_a_compact_master_is_torchs_bf16_cast_and_a_correction_within_a_256th_of
     again = kernels.compact_encode(y)  # decoding and encoding again gives the same two
     assert torch.equal(bits(again[0]), bits(low)) and torch.equal(again[1], correction)
     assert correction.abs().max() <= 127
+
+
+def _patterns():
+    """Random FP32 values of every magnitude, the special ones, and every 128th bit pattern of a
+    few binades with both signs (bf16's ties among them), NaNs with payloads."""
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.exp(4 * torch.randn(200_000, generator=generator))
+    x = [torch.randn(200_000, generator=generator) * scale, special_values()]
+    mantissas = torch.arange(0, 1 << 16, dtype=torch.int32) * 128
+    for exponent in (0, 1, 126, 254, 255):
+        for sign in (0, -(2**31)):
+            patterns = (exponent << 23) | mantissas | sign
+            x += [patterns.view(torch.float32), (patterns | 127).view(torch.float32)]
+    return torch.cat(x)
+
+
+def test_an_exact_master_holds_every_fp32_value_in_its_weight_and_remainder():
+    x = _patterns()
+    low, remainder = kernels.remainder_encode(x)
+    assert low.dtype is torch.bfloat16 and remainder.dtype is torch.int16
+    y = kernels.remainder_decode(low, remainder)
+    nan = torch.isnan(x)
+    assert torch.equal(bits(y[~nan]), bits(x[~nan]))
+    assert torch.isnan(y[nan]).all() and torch.isnan(low[nan]).all()  # a NaN stays a NaN
+    again = kernels.remainder_encode(y)  # decoding and encoding again gives the same two
+    assert torch.equal(bits(again[0]), bits(low)) and torch.equal(again[1], remainder)
+
+
+def test_an_exact_masters_weight_is_torchs_cast_but_at_ties_rounded_down_to_even():
+    """The weight is the nearest bf16; an exact tie goes away from zero (a remainder of +0x8000
+    would not fit), where torch's cast rounds to even: only the ties below an even weight
+    differ, by one ulp."""
+    x = _patterns()
+    low = kernels.remainder_encode(x)[0]
+    nan = torch.isnan(x)
+    theirs = bits(x.to(torch.bfloat16)).view(torch.int16)
+    ours = bits(low).view(torch.int16)
+    differ = (ours != theirs) & ~nan
+    tie = (bits(x) & 0xFFFF) == 0x8000
+    even_below = ((bits(x) >> 16) & 1) == 0  # the tie's lower neighbour
+    assert torch.equal(differ, tie & even_below & ~nan)
+    assert (ours[differ].int() - theirs[differ].int()).abs().max() == 1
 
 
 def test_special_values_keep_their_meaning():
@@ -117,17 +160,17 @@ def copied(state):
 
 def adam(state, found=0.0, inv=2.0**-10):
     state = copied(state)
-    kernels.compact_adam_step_(
+    kernels.adam_step_(
         state["grads"],
         state["lows"],
+        state["corrections"],
         state["m"],
         state["v"],
         state["steps"],
-        corrections=state["corrections"],
+        kernels.AdamOptions(**ADAM),
         scales=state["scales"],
         inv_scale=torch.tensor(inv),
         found_inf=torch.tensor(found),
-        **ADAM,
     )
     return state
 
@@ -249,6 +292,80 @@ def test_the_compact_adam_step_is_the_fp32_update_of_the_decoded_state(moments, 
     assert_same(adam(state), reference_adam(state))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd", "sgd first step"])
+def test_an_exact_masters_step_is_torchs_fused_step_on_its_fp32_values(kind, threads):
+    """bf16 weights and int16 remainders stepped with FP32 moments give, bit for bit, torch's
+    fused op on FP32 tensors holding their values (whole tensors: pieces would move the CPU
+    op's scalar tails), whatever the thread count; their weights that value's rounding."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = [64, 5000, (1 << 20) + 3, 1]
+    fp32 = [torch.randn(n, generator=generator) * 0.1 for n in sizes]
+    lows, remainders = map(list, zip(*map(kernels.remainder_encode, fp32)))
+    grads = [(torch.randn(n, generator=generator) * 1000).to(torch.bfloat16) for n in sizes]
+    m = [torch.randn(n, generator=generator) * 0.01 for n in sizes]
+    v = [torch.rand(n, generator=generator) * 1e-4 for n in sizes]
+    inv, found = torch.tensor(2.0**-10), torch.tensor(0.0)
+    theirs = [t.clone() for t in fp32]
+    their_grads = [g.float() * inv for g in grads]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if kind.startswith("adam"):
+            options = dict(ADAM, decoupled=kind == "adamw")
+            steps, their_steps = ([torch.tensor(3.0) for _ in sizes] for _ in range(2))
+            their_m, their_v = [t.clone() for t in m], [t.clone() for t in v]
+            kernels.adam_step_(
+                grads, lows, remainders, m, v, steps, kernels.AdamOptions(**options),
+                inv_scale=inv, found_inf=found,
+            )
+            torch._foreach_add_(their_steps, 1)
+            step = torch._fused_adamw_ if options.pop("decoupled") else torch._fused_adam_
+            step(theirs, their_grads, their_m, their_v, [], their_steps, amsgrad=False,
+                 maximize=False, **options)
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(m + v, their_m + their_v))
+            assert [s.item() for s in steps] == [4.0] * len(sizes)
+        else:
+            first = kind == "sgd first step"
+            buffers = [t.clone() for t in m]
+            their_buffers = [t.clone() for t in m]
+            kernels.sgd_step_(
+                grads, lows, remainders, buffers, kernels.SGDOptions(**SGD), first_step=first,
+                inv_scale=inv, found_inf=found,
+            )
+            torch._fused_sgd_(theirs, their_grads, their_buffers, maximize=False,
+                              is_first_step=first, **SGD)
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(buffers, their_buffers))
+    finally:
+        torch.set_num_threads(saved)
+    for low, remainder, expected in zip(lows, remainders, theirs):
+        assert torch.equal(bits(kernels.remainder_decode(low, remainder)), bits(expected))
+        assert torch.equal(bits(low), bits(kernels.remainder_encode(expected)[0]))
+
+
+def test_an_exact_step_skipped_or_not_contiguous_changes_what_it_should():
+    """A skipped step changes no bit; a transposed weight and remainder are stepped in place as
+    a contiguous one."""
+    generator = torch.Generator().manual_seed(4)
+    fp32 = torch.randn(48, 40, generator=generator)
+    low, remainder = kernels.remainder_encode(fp32)
+    grad = torch.randn(48, 40, generator=generator).to(torch.bfloat16)
+    options = kernels.AdamOptions(**ADAM)
+    state = [torch.zeros(48, 40), torch.zeros(48, 40), torch.tensor(0.0)]
+    before = [t.clone() for t in (low, remainder, *state)]
+    kernels.adam_step_([grad], [low], [remainder], *([t] for t in state), options,
+                       found_inf=torch.tensor(1.0))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip((low, remainder, *state), before))
+    transposed = [t.t().contiguous().t() for t in (low, remainder, grad)]
+    t_state = [torch.zeros(40, 48).t(), torch.zeros(40, 48).t(), torch.tensor(0.0)]
+    kernels.adam_step_([transposed[2]], [transposed[0]], [transposed[1]],
+                       *([t] for t in t_state), options)
+    kernels.adam_step_([grad], [low], [remainder], *([t] for t in state), options)
+    assert not transposed[0].is_contiguous()
+    assert torch.equal(bits(transposed[0]), bits(low))
+    assert torch.equal(transposed[1], remainder)
+
+
 @pytest.mark.parametrize("moments", ["fp32", "int8"])
 def test_pieces_change_nothing(monkeypatch, moments, one_thread):
     state = compact_state([64, 5000], moments)
@@ -276,17 +393,17 @@ def test_exact_masters_with_8_bit_moments_step_the_masters_in_place(one_thread):
     ]
     lows = [m.to(torch.bfloat16) for m in masters]
     theirs = reference_adam(state)
-    kernels.compact_adam_step_(
+    kernels.adam_step_(
         state["grads"],
         lows,
+        masters,
         state["m"],
         state["v"],
         state["steps"],
-        masters=masters,
+        kernels.AdamOptions(**ADAM),
         scales=state["scales"],
         inv_scale=torch.tensor(2.0**-10),
         found_inf=torch.tensor(0.0),
-        **ADAM,
     )
     for master, low, low_c in zip(masters, lows, theirs["lows"]):
         assert torch.equal(bits(kernels.compact_encode(master)[0]), bits(low_c))
@@ -298,16 +415,16 @@ def test_the_first_sgd_step_starts_the_momentum_as_the_gradient():
     lows, corrections = map(list, zip(kernels.compact_encode(torch.randn(50))))
     buffers, scales = map(list, zip(kernels.moment_encode(torch.zeros(50), True)))
     expected = grads[0].float() * 0.5
-    kernels.compact_sgd_step_(
+    kernels.sgd_step_(
         grads,
         lows,
+        corrections,
         buffers,
-        corrections=corrections,
+        kernels.SGDOptions(**dict(SGD, weight_decay=0.0)),
         scales=scales,
         first_step=True,
         inv_scale=torch.tensor(0.5),
         found_inf=torch.tensor(0.0),
-        **dict(SGD, weight_decay=0.0),
     )
     back = kernels.moment_decode(buffers[0], scales[0])
     assert torch.allclose(back, expected, rtol=2 / 127, atol=expected.abs().max().item() * 2 / 127)

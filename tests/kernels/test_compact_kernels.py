@@ -30,7 +30,7 @@ SIZES = [0, 1, 31, 32, 33, 4096 + 3, 65536 + 5]  # around a block (32) and the c
 ORDERS = [("forward", 0), ("reversed", 0), ("shuffled", 1)]
 GRADS = [torch.bfloat16, torch.float16, torch.float32]
 MOMENTS = ["fp32", "bf16", "int8"]
-MASTERS = ["compact", "exact"]
+MASTERS = ["compact", "remainder", "exact"]
 INV = 2.0**-10
 ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
 SGD = [
@@ -41,6 +41,7 @@ SGD = [
 ]
 SGD_IDS = ["momentum", "nesterov", "dampening", "plain"]
 VECTOR = 64  # elements: a whole number of torch's CPU vectors (16 floats with AVX-512)
+ENCODINGS = {"compact": kernels.compact_encode, "remainder": kernels.remainder_encode}
 
 
 @pytest.fixture(params=ORDERS, ids=[order for order, _ in ORDERS])
@@ -70,9 +71,9 @@ def _low_types(grad_dtype, count):
 
 
 def make_state(sizes, master, moments, grad_dtype, *, sgd=False, seed=0):
-    """Parallel lists of a compact step's state: grads, masters (None: compact), lows,
-    corrections (None: exact), m and v (SGD: m the buffers, no v) with their scales (None for
-    FP32 and bf16 moments), steps."""
+    """Parallel lists of a compact step's state: grads, lows, masters (FP32 ones; or the int8
+    corrections or int16 remainders of the bf16 lows), m and v (SGD: m the buffers, no v) with
+    their scales (None for FP32 and bf16 moments), steps."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(n, scale):
@@ -94,9 +95,9 @@ def make_state(sizes, master, moments, grad_dtype, *, sgd=False, seed=0):
             grads[i][128:160] = 0.0
             m[i][128:160] = torch.randn(32, generator=generator) * 1e-39
             v[i][128:160] = 1e-40
-    state = dict(grads=[g.to(grad_dtype) for g in grads], masters=None, corrections=None)
-    if master == "compact":
-        state["lows"], state["corrections"] = map(list, zip(*map(kernels.compact_encode, fp32)))
+    state = dict(grads=[g.to(grad_dtype) for g in grads])
+    if master in ENCODINGS:
+        state["lows"], state["masters"] = map(list, zip(*map(ENCODINGS[master], fp32)))
     else:
         state["masters"] = fp32
         state["lows"] = [
@@ -142,41 +143,40 @@ def _scalar(value, state):
 def run_adam(module, state, *, found=0.0, inv=INV, decoupled=True):
     state = copied(state)
     scales = None if state["m_scales"] is None else (state["m_scales"], state["v_scales"])
-    module.compact_adam_step_(
+    module.adam_step_(
         state["grads"],
+        state["lows"],
         state["masters"],
         state["m"],
         state["v"],
         state["steps"],
-        state["lows"],
-        state["corrections"],
         scales,
         _scalar(inv, state),
         _scalar(found, state),
-        dict(ADAM, decoupled=decoupled),
+        kernels.AdamOptions(**ADAM, decoupled=decoupled),
     )
     return state
 
 
 def run_sgd(module, state, options, *, first_step=False, found=0.0, inv=INV):
     state = copied(state)
-    module.compact_sgd_step_(
+    module.sgd_step_(
         state["grads"],
+        state["lows"],
         state["masters"],
         state["m"],
-        state["lows"],
-        state["corrections"],
         state["m_scales"],
         _scalar(inv, state),
         _scalar(found, state),
-        dict(options, first_step=first_step),
+        kernels.SGDOptions(**options),
+        first_step,
     )
     return state
 
 
 # -- the oracle -----------------------------------------------------------------------------------
 
-_ELEMENTWISE = ("grads", "masters", "lows", "corrections", "m", "v")
+_ELEMENTWISE = ("grads", "masters", "lows", "m", "v")
 _BLOCKWISE = ("m_scales", "v_scales")
 
 
@@ -236,17 +236,30 @@ def assert_same_bits(actual, expected):
             assert torch.equal(x, y), (key, i, (x != y).nonzero()[:5].flatten().tolist())
 
 
-def expected_kernels(module, kernel_name, state, grad_dtype, moments):
-    """The compact kernels a step launches: one per (gradient, master) kind of its rows (an
-    exact master without a copy takes the kernel of its gradient's type: its pointer is null)."""
+def expected_kernels(module, kernel_name, state, grad_dtype, moments, first_step=False):
+    """The kernels a step launches: one per (gradient, master) kind of its rows (an exact master
+    without a copy takes the kernel of its gradient's type: its pointer is null); FP32 masters
+    with FP32 moments and a copy of the gradient's type take amp_adam / amp_sgd (but for SGD's
+    first step, which they do not make)."""
     moment = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[moments]
     cuda = module.cuda
-    if state["corrections"] is not None:
-        kinds = {cuda.COMPACT}
-    else:
-        unwritten = grad_dtype if grad_dtype is not torch.float32 else torch.float32
-        kinds = {unwritten if low is None else low.dtype for low in state["lows"]}
-    return {cuda.compact_kernel(kernel_name, grad_dtype, kind, moment) for kind in kinds}
+    rest = state["masters"][0].dtype
+    if rest in (torch.int8, torch.int16):
+        return {cuda.compact_kernel(kernel_name, grad_dtype, _KIND[rest](cuda), moment)}
+    names = set()
+    for low in state["lows"]:
+        copy = torch.float32 if low is None else low.dtype  # float32: none
+        if moment is torch.float32 and (grad_dtype, copy) in cuda.STEP_TYPES and not first_step:
+            plain = kernel_name.replace("compact_", "")
+            names.add(f"{plain}<{cuda.TYPE_NAMES[grad_dtype]}, {cuda.TYPE_NAMES[copy]}>")
+        else:  # without a copy: the gradient's type (the copy's pointer is null)
+            kind = grad_dtype if low is None else copy
+            names.add(cuda.compact_kernel(kernel_name, grad_dtype, kind, moment))
+    return names
+
+
+_KIND = {torch.int8: lambda cuda: cuda.COMPACT, torch.int16: lambda cuda: cuda.REMAINDER}
+_COUNTS = {"amp_compact_adam": "amp_compact_count_steps", "amp_adam": "amp_count_steps"}
 
 
 # -- AdamW / Adam ----------------------------------------------------------------------------------
@@ -272,7 +285,7 @@ def test_the_compact_adam_kernel_is_the_torch_backend_bit_for_bit(
     assert set(launched[::2]) == expected_kernels(
         kernel, "amp_compact_adam", state, grad_dtype, moments
     )
-    assert launched[1::2] == ["amp_compact_count_steps"] * (len(launched) // 2)
+    assert launched[1::2] == [_COUNTS[name.split("<")[0]] for name in launched[::2]]
 
 
 @pytest.mark.parametrize("master", MASTERS)
@@ -281,7 +294,7 @@ def test_a_skipped_compact_adam_step_changes_no_bit(forward_kernel, moments, mas
     state = make_state(SIZES, master, moments, torch.bfloat16)
     for module in (forward_kernel, _torch_backend):
         assert_same_bits(run_adam(module, state, found=1.0), state)
-    assert len(forward_kernel.launched()) == 2  # launched: the device decides, not the host
+    assert forward_kernel.launched()  # launched: the device decides, not the host
 
 
 # -- SGD ----------------------------------------------------------------------------------------------
@@ -299,8 +312,10 @@ def test_the_compact_sgd_kernel_is_the_torch_backend_bit_for_bit(kernel, moments
             stepped = run_sgd(kernel, state, options, first_step=first_step)
             expected = oracle(run_sgd, state, options, first_step=first_step)
             assert_same_bits(stepped, expected)
-        held = moments if options["momentum"] else "fp32"  # no buffers: the FP32 kernels
-        expected_names |= expected_kernels(kernel, "amp_compact_sgd", state, grad_dtype, held)
+            held = moments if options["momentum"] else "fp32"  # no buffers: the FP32 kernels
+            expected_names |= expected_kernels(
+                kernel, "amp_compact_sgd", state, grad_dtype, held, first_step
+            )
     assert set(kernel.launched()) == expected_names
 
 
@@ -366,7 +381,7 @@ def test_the_packed_launches_are_kept_and_follow_new_gradients_and_moved_data(fo
                 stepped = oracle(run_adam, target)
             else:
                 stepped = run_adam(module, target)
-            for key in ("lows", "corrections", "m", "v", "m_scales", "v_scales", "steps"):
+            for key in ("lows", "masters", "m", "v", "m_scales", "v_scales", "steps"):
                 for held, new in zip(target[key], stepped[key]):
                     held.copy_(new)
         assert_same_bits(ours, reference)
@@ -404,6 +419,7 @@ def test_on_a_gpu_the_compact_kernels_are_the_cpu_oracle_bit_for_bit(moments, ma
     [
         ("compact", "int8", torch.bfloat16, 12.5),  # 2 + (2 + 2) + (1 + 1) + 2 * (1 + 1) + 16 / 32
         ("compact", "bf16", torch.bfloat16, 16.0),
+        ("remainder", "fp32", torch.bfloat16, 26.0),  # 2 + (2 + 2) * 2 + (4 + 4) * 2
         ("exact", "fp32", torch.bfloat16, 28.0),  # amp_adam's
         ("exact", "int8", torch.float32, 18.5),  # 4 + (4 + 4) + (0 + 2) + 4 + 16 / 32
     ],

@@ -73,18 +73,25 @@ SGD = [
 INV = 2.0**-10
 
 
+def _lows(state):
+    """The backends' `lows`: a list (None: a row without a copy)."""
+    lows = state["lows"]
+    return [None] * len(state["grads"]) if lows is None else lows
+
+
 def run_adam(module, state, decoupled, found=0.0, inv=INV):
     state = copied(state)
     module.adam_step_(
         state["grads"],
+        _lows(state),
         state["masters"],
         state["exp_avgs"],
         state["exp_avg_sqs"],
         state["steps"],
-        state["lows"],
+        None,
         None if inv is None else torch.tensor(inv),
         torch.tensor(found),
-        dict(ADAM, decoupled=decoupled),
+        kernels.AdamOptions(**ADAM, decoupled=decoupled),
     )
     return state
 
@@ -103,12 +110,14 @@ def run_sgd(module, state, options, found=0.0):
     state = copied(state)
     module.sgd_step_(
         state["grads"],
+        _lows(state),
         state["masters"],
         state["buffers"],
-        state["lows"],
+        None,
         torch.tensor(INV),
         torch.tensor(found),
-        options,
+        kernels.SGDOptions(**options),
+        False,
     )
     return state
 
@@ -201,12 +210,16 @@ def test_fp32_gradients_with_low_precision_weights_are_stepped_by_the_kernels(
 
 
 @emulated
-def test_rows_no_kernel_is_built_for_go_to_the_torch_backend(kernel, one_thread):
-    """A low-precision gradient of an FP32 parameter stepped without a copy (no such kernel)."""
+def test_rows_amp_adam_is_not_built_for_go_to_the_compact_kernel(kernel, one_thread):
+    """A low-precision gradient of an FP32 parameter stepped without a copy (no amp_adam for that
+    pair): the compact kernel's FP32 master, whose copy's pointer is null."""
     state = adam_state(SIZES, torch.bfloat16)
     state["lows"] = None
     assert_same_bits(run_adam(kernel, state, True), run_adam(_torch_backend, state, True))
-    assert kernel.launched() == []
+    assert kernel.launched() == [
+        "amp_compact_adam<__nv_bfloat16, amp::Exact<__nv_bfloat16>, float>",
+        "amp_compact_count_steps",
+    ]
 
 
 @emulated
@@ -228,6 +241,7 @@ def test_float32_gradients_without_a_scale_and_without_low_weights(kernel, one_t
         copy = {k: [t.clone() for t in v] for k, v in state.items() if v is not None}
         module.adam_step_(
             copy["grads"],
+            [None] * len(copy["grads"]),
             copy["masters"],
             copy["exp_avgs"],
             copy["exp_avg_sqs"],
@@ -235,7 +249,7 @@ def test_float32_gradients_without_a_scale_and_without_low_weights(kernel, one_t
             None,
             None,
             None,
-            dict(ADAM, decoupled=True),
+            kernels.AdamOptions(**ADAM, decoupled=True),
         )
         results.append(copy)
     assert_same_bits(*results)
@@ -279,10 +293,12 @@ def test_the_packed_launches_are_reused_and_follow_new_gradients_and_moved_data(
             module = kernel if target is lists else _torch_backend
             module.adam_step_(
                 grads,
-                *[target[k] for k in ("masters", "exp_avgs", "exp_avg_sqs", "steps", "lows")],
+                target["lows"],
+                *[target[k] for k in ("masters", "exp_avgs", "exp_avg_sqs", "steps")],
+                None,
                 torch.tensor(INV),
                 torch.tensor(0.0),
-                dict(ADAM, decoupled=True),
+                kernels.AdamOptions(**ADAM, decoupled=True),
             )
         assert_same_bits(
             {k: v for k, v in lists.items() if k != "grads"},
@@ -402,14 +418,13 @@ def test_the_interface_runs_the_torch_backend_on_the_cpu():
     copy = copied(state)
     kernels.adam_step_(
         copy["grads"],
+        copy["lows"],
         copy["masters"],
         copy["exp_avgs"],
         copy["exp_avg_sqs"],
         copy["steps"],
-        copy["lows"],
+        kernels.AdamOptions(**ADAM, decoupled=True),
         inv_scale=torch.tensor(INV),
         found_inf=found,
-        decoupled=True,
-        **ADAM,
     )
     assert_same_bits(copy, run_adam(_torch_backend, state, True))
