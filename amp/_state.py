@@ -120,9 +120,10 @@ class AmpState:
         self.verbosity = 1
         self.models = []
         self.optimizers = []  # weights.optimizer.OptimizerRecord per optimizer, in initialize's order
-        # weights.table.ParamTable of each optimizer and (O2) of the cast parameters no optimizer
-        # steps: every FP32 copy of a cast parameter is in one of them
-        self.tables = []
+        # O2: id(cast parameter) -> the weights.rows.Rows holding the rest of its FP32 value (its
+        # optimizer's owner, or this initialize's frozen rows), and those Rows
+        self.owners = {}
+        self.rows = []
         self.fp32_modules = set()  # the modules fp32_modules= keeps in FP32 (casting.fp32_modules)
         self.cast_params = set()  # ids of the parameters the model cast made low precision
         self.loss_scalers = []

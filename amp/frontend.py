@@ -16,13 +16,11 @@ from .casting import native_autocast
 from .casting.casts import policy_for
 from .scaling.checkpoint import load_state_dict, state_dict
 from .scaling.scaler import LossScaler
-from .weights import engines
+from .weights import engines, paths
 from .weights import model as model_module
 from .weights import instrument as instrument_module
 from .weights import optimizer as optimizer_module
 from .diagnostics import overflow
-from .weights.fused_step import check_covered
-from .weights.masters import match_state_to_params
 from .weights.snapshot import Snapshot
 
 __all__ = [
@@ -80,13 +78,10 @@ def _check_models_and_optimizers(models, optimizers, properties):
     owner = {}
     for index, optimizer in enumerate(optimizers):
         instrument_module.check_optimizer(optimizer, index)
-        if properties.compact:
-            what = (
-                "master_weights='compact'"
-                if properties.master_weights == properties_module.COMPACT
-                else f"optimizer_state={properties.optimizer_state!r}"
-            )
-            check_covered(optimizer, f"optimizers[{index}]", what)
+        if properties.compact:  # only the fused path keeps it: refused here with the reason
+            for number, group in enumerate(optimizer.param_groups):
+                where = f"optimizers[{index}].param_groups[{number}]"
+                paths.choose(optimizer, group, properties, where)
         if not properties.master_weights:
             continue  # each optimizer steps the model's parameters: they may share some
         for group in optimizer.param_groups:
@@ -311,28 +306,24 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
             amp_state.cast_params.update(
                 id(p) for p in model_module.parameters_to_cast(model, keep_bn)
             )
-    with_masters = amp_state.cast_params if properties.master_weights else set()
-    compact = properties.master_weights == properties_module.COMPACT
-    state = properties.optimizer_state
     amp_state.optimizers = [
-        instrument_module.instrument(optimizer, with_masters, ledger, compact, state)
-        for optimizer in optimizers
+        instrument_module.instrument(optimizer, index, amp_state.cast_params, properties, ledger)
+        for index, optimizer in enumerate(optimizers)
     ]
-    if with_masters:
+    form = paths.master_form(properties)
+    if form is not None:
         engines.follow_ddp_broadcast(ledger)
     cast = []  # the ModelCopies of the cast models
     for model in models:
         if cast_dtype is not None and cast_dtype is not torch.float32:
-            keep_fp32 = bool(properties.master_weights)
-            cast.append(
-                model_module.cast_model(model, cast_dtype, keep_bn, keep_fp32, ledger, compact)
-            )
+            cast.append(model_module.cast_model(model, cast_dtype, keep_bn, form, ledger))
         if cast_dtype is not None or cast_model_outputs is not None:
             model_module.cast_forward(
                 model, cast_dtype, cast_model_outputs or torch.float32, ledger
             )
-    for optimizer in optimizers:
-        match_state_to_params(optimizer)  # state made before the model cast
+    for record in amp_state.optimizers:
+        if record.owner is None:  # state made before the model cast follows its parameters
+            instrument_module.match_state_to_params(record.optimizer)
     float8 = properties.float8
     if properties.patch_torch_functions or float8 is not None:
         # O2/O3 with float8 patch too, under a policy that casts nothing: only the FLOAT8_FUNCS
@@ -386,6 +377,6 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     if not hasattr(optimizer, "param_groups"):
         raise TypeError(f"amp.master_params expects an optimizer; got {type(optimizer).__name__}.")
     record = getattr(optimizer, "__dict__", {}).get("_amp_record")
-    if record is not None:  # a write to the model since the last step shows in its master
-        record.expose_masters()
+    if record is not None:  # the masters as FP32 values, with their FP32 gradients
+        return iter(record.master_params())
     return (param for group in optimizer.param_groups for param in group["params"])

@@ -391,15 +391,25 @@ def kernel_traffic():
     from amp.kernels import _cupy_device
 
     work = KernelWork()
-    run = _cupy_device.run
+    run, launch = _cupy_device.run, _cupy_device.launch
 
-    def counting(name, launches, *args, **kwargs):
+    def count(name, launches):
         for packed in launches:
             read, written = launch_traffic(name, packed.meta)
             work.launches += 1
             work.read += read
             work.written += written
+
+    def counting_run(name, launches, *args, **kwargs):
+        count(name, launches)
         return run(name, launches, *args, **kwargs)
 
-    with mock.patch.object(_cupy_device, "run", counting):
+    def counting_launch(name, *args, **kwargs):
+        launches = launch(name, *args, **kwargs)
+        count(name, launches)
+        return launches
+
+    with mock.patch.object(_cupy_device, "run", counting_run), mock.patch.object(
+        _cupy_device, "launch", counting_launch
+    ):
         yield work

@@ -67,12 +67,13 @@ def _step_calls(fn):
     return pstats.Stats(profiler).total_calls
 
 
-def scaling_calls(opt_level, dtype=torch.bfloat16):
-    """(calls amp adds, calls torch.amp.GradScaler adds) to one plain step at 10 tensors."""
+def scaling_calls(opt_level, dtype=torch.bfloat16, layers=5):
+    """(calls amp adds, calls torch.amp.GradScaler adds) to one plain step at 2 * `layers`
+    tensors."""
 
     def make():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
         return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
     x = torch.randn(4, 8)

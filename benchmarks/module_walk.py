@@ -1,14 +1,17 @@
 """Which amp modules one settled O2 training step walks through, in order.
 
     python benchmarks/module_walk.py [--optimizer adamw|sgd] [--dtype bfloat16|float16]
-                                     [--state-dict]
+                                     [--form exact|compact-int8] [--state-dict]
 
-A Linear-BatchNorm-Linear model (plus 20 FP32 buffers) at O2 with AdamW (torch's default implementation), trained until
-the loss scale has settled; then one step is traced with sys.setprofile: forward, `scale_loss`
-with backward, `optimizer.step()`, `optimizer.zero_grad()`. Each amp function called is a visit
-to its module; consecutive calls into one module are one visit. It prints the modules entered, the transitions between them (visits - 1), the sequence,
-and the amp calls of one forward. With --state-dict a `model.state_dict()` is taken before the
-traced step: later forwards should cost what they cost before it.
+A Linear-BatchNorm-Linear model (plus 20 FP32 buffers) at O2 with AdamW (torch's default
+implementation), trained until the loss scale has settled; then one step is traced with
+sys.setprofile: forward, `scale_loss` with backward, `optimizer.step()`,
+`optimizer.zero_grad()`. Each amp function called is a visit to its module, amp/kernels counted
+as one room (its public functions and its backends are one interface); consecutive calls into
+one module are one visit. It prints the modules entered, the transitions between them (visits -
+1), the sequence, and the amp calls of one forward. `--form compact-int8` trains compact masters
+with 8-bit state. With --state-dict a `model.state_dict()` is taken before the traced step: later
+forwards should cost what they cost before it.
 
 Counts, not times: they do not move with the load of the machine.
 """
@@ -26,11 +29,13 @@ AMP_ROOT = os.path.dirname(os.path.abspath(amp.__file__))
 
 
 def _module(filename):
-    """'weights/optimizer' for an amp source file, else None."""
+    """'weights/optimizer' for an amp source file ('kernels' for any of amp/kernels), else
+    None."""
     path = os.path.abspath(filename)
     if not path.startswith(AMP_ROOT + os.sep):
         return None
-    return os.path.relpath(path, AMP_ROOT)[: -len(".py")]
+    module = os.path.relpath(path, AMP_ROOT)[: -len(".py")]
+    return "kernels" if module.startswith("kernels" + os.sep) else module
 
 
 class Walk:
@@ -82,7 +87,10 @@ class Offsets(torch.nn.Module):
         return x + self.offset0
 
 
-def make_trainer(optimizer_kind, dtype):
+FORMS = {"exact": {}, "compact-int8": dict(master_weights="compact", optimizer_state="int8")}
+
+
+def make_trainer(optimizer_kind, dtype, form="exact"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16),
@@ -95,7 +103,9 @@ def make_trainer(optimizer_kind, dtype):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", dtype=dtype, verbosity=0)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=dtype, verbosity=0, **FORMS[form]
+    )
     return model, optimizer, torch.randn(32, 8), torch.randn(32, 4)
 
 
@@ -108,9 +118,9 @@ def one_step(model, optimizer, x, y):
     return loss
 
 
-def walk(optimizer_kind="adamw", dtype=torch.bfloat16, state_dict=False):
+def walk(optimizer_kind="adamw", dtype=torch.bfloat16, state_dict=False, form="exact"):
     """(Walk of one settled step, amp calls of one forward before and after a state dict)."""
-    model, optimizer, x, y = make_trainer(optimizer_kind, dtype)
+    model, optimizer, x, y = make_trainer(optimizer_kind, dtype, form)
     for _ in range(3):
         one_step(model, optimizer, x, y)
     forward_before = _forward_calls(model, x)
@@ -135,10 +145,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--form", choices=tuple(FORMS), default="exact")
     parser.add_argument("--state-dict", action="store_true")
     args = parser.parse_args()
-    step, before, after = walk(args.optimizer, getattr(torch, args.dtype), args.state_dict)
-    print(f"one settled O2 {args.optimizer} step ({args.dtype}, dynamic loss scale)")
+    dtype = getattr(torch, args.dtype)
+    step, before, after = walk(args.optimizer, dtype, args.state_dict, args.form)
+    print(f"one settled O2 {args.optimizer} step ({args.dtype}, {args.form}, dynamic loss scale)")
     print(f"  amp modules entered: {len(step.modules)}")
     print(f"  module-to-module transitions: {step.transitions}")
     print(f"  amp calls: {step.calls}")

@@ -76,8 +76,11 @@ def describe(path):
     model, optimizer = checkpoint["model"], checkpoint["optimizer"]
     dtypes = sorted({str(v.dtype).replace("torch.", "") for v in model.values()})
     values = sum(v.numel() for v in model.values() if v.is_floating_point())
-    state = sorted({key for entry in optimizer["state"].values() for key in entry})
-    masters = optimizer.get("amp_master_params")
+    entries = optimizer["state"].values()
+    keys = {key for entry in entries for key in entry}
+    master_keys = sorted(key for key in keys if key.startswith("master"))
+    state = sorted(keys - set(master_keys))
+    masters = sum(1 for entry in entries if any(key in entry for key in master_keys))
     lines = [
         f"{os.path.basename(path)} ({os.path.getsize(path) / 1024:.0f} KiB) after step "
         f"{checkpoint['step']} holds:",
@@ -86,7 +89,7 @@ def describe(path):
         f"  optimizer  optimizer.state_dict(): AdamW's state ({', '.join(state)}) of "
         f"{len(optimizer['state'])} parameters"
         + (
-            f", and amp_master_params: the FP32 master weights of {len(masters)} parameters"
+            f", and the master weights of {masters} of them ({', '.join(master_keys)})"
             if masters
             else ""
         ),

@@ -338,7 +338,7 @@ def test_deinitialize_round_trip_is_exact(opt_level):
     assert_unchanged(model, optimizer, before)
     assert all(getattr(torch, name) is value for name, value in torch_attributes.items())
     assert dict(vars(torch.Tensor)) == tensor_attributes
-    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.tables == []
+    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.rows == []
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -400,7 +400,7 @@ def test_deinitialize_without_initialize_is_a_no_op():
     )
     assert_unchanged(model, optimizer, before)
     assert type(optimizer).step is optimizer.step.__func__ and "_amp_record" not in vars(optimizer)
-    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.tables == []
+    assert not amp_state.initialized and amp_state.optimizers == [] and amp_state.rows == []
     assert amp._amp_state.loss_scalers == () and amp._amp_state.opt_properties.enabled is False
     with pytest.raises(RuntimeError, match="amp.initialize"):
         amp.state_dict()

@@ -59,27 +59,26 @@ _SIGN = -(2**31)
 
 def remainder_encode(fp32):
     """(bf16 weight, int16 remainder) of FP32 values: the bits split at bit 16, the weight rounded
-    to nearest (ties away from zero) and the remainder signed (see the module doc)."""
-    bits = fp32.contiguous().view(torch.int32)
-    low = bits & 0xFFFF
-    up = (low >= 0x8000).to(torch.int32)
-    high = ((bits >> 16) & 0xFFFF) + up  # the weight's bits, 0..0x10000 before the NaN fix
-    rest = low - (up << 16)  # -0x8000..0x7FFF
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    # A NaN whose rounding left the NaN patterns (up into the sign, or down to inf): a quiet NaN of
-    # its sign, remainder 0.
-    high = torch.where(nan, ((bits >> 16) & 0xFFFF) | 0x0040, high & 0xFFFF)
-    rest = rest.masked_fill(nan, 0)
-    high = torch.where(high >= 0x8000, high - 0x10000, high)  # as int16 two's complement
+    to nearest (ties away from zero) and the remainder signed (see the module doc). int32
+    arithmetic that wraps, as the CUDA kernel's uint32 one does: a few passes."""
+    fp32 = fp32.contiguous()
+    bits = fp32.view(torch.int32)
+    high = (bits + (bits & 0x8000)) >> 16  # carried up where the low half is 0x8000 or more
+    rest = bits - (high << 16)  # -0x8000..0x7FFF
+    # A NaN whose rounding left the NaN patterns (up into the sign, or down to inf): a quiet NaN
+    # of its sign, remainder 0.
+    nan = fp32 != fp32
+    high = torch.where(nan, (bits >> 16) | 0x40, high)
+    rest = rest.masked_fill_(nan, 0)
     return high.to(torch.int16).view(torch.bfloat16), rest.to(torch.int16)
 
 
 def remainder_decode(bf16, remainder):
-    """The FP32 values a (bf16 weight, int16 remainder) pair holds (exact)."""
-    high = bf16.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    bits = ((high << 16) + remainder.contiguous().to(torch.int64)) & 0xFFFFFFFF
-    bits = torch.where(bits >= 0x80000000, bits - 0x100000000, bits)  # as int32 two's complement
-    return bits.to(torch.int32).view(torch.float32).view(bf16.shape)
+    """The FP32 values a (bf16 weight, int16 remainder) pair holds (exact): the weight's bits
+    shifted up by 16 plus the remainder, in int32 arithmetic that wraps."""
+    bits = bf16.contiguous().view(torch.int16).to(torch.int32) << 16
+    bits += remainder
+    return bits.view(torch.float32)
 
 
 def compact_encode(fp32):

@@ -228,18 +228,18 @@ def _copy_back(lows, masters):
 def _torch_format(masters, moments, scales):
     """Indices of the rows torch's fused op steps as they are (a floating master whose moments
     are of its dtype: torch's format), of the others (compact forms: _torch_compact.py); None for
-    the second where every row is of the first kind."""
+    both where every row is of the first kind, (None, None) / ([], None) as the lists say."""
     masters_dtypes = list(map(_dtype, masters))
-    if (
-        scales is None
-        and all(list(map(_dtype, m)) == masters_dtypes for m in moments if m is not None)
-        and all(map(_FLOATING, masters_dtypes))
-    ):
+    floating = list(map(_FLOATING, masters_dtypes))
+    same = [list(map(operator.is_, map(_dtype, m), masters_dtypes)) for m in moments if m]
+    if scales is None and all(floating) and all(map(all, same)):
         return None, None
+    if not any(floating):  # every master compact
+        return [], list(range(len(masters)))
     plain, other = [], []
-    for i, dtype in enumerate(masters_dtypes):
-        same = scales is None and all(m is None or m[i].dtype is dtype for m in moments)
-        (plain if dtype.is_floating_point and same else other).append(i)
+    for i, is_floating in enumerate(floating):
+        torch_format = scales is None and is_floating and all(s[i] for s in same)
+        (plain if torch_format else other).append(i)
     return plain, other
 
 
@@ -257,15 +257,16 @@ def adam_step_(grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_s
         for group in _one_dtype_each(*rows):
             _adam_step(*group, inv_scale, found_inf, options)
         return
-    if plain:
-        adam_step_(
-            *[_pick(r, plain) for r in (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)],
-            None, inv_scale, found_inf, options,
-        )
+    rows = (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)
+    if not plain:  # every row compact: the lists as they are
+        compact_adam_step_(*rows, scales, inv_scale, found_inf, options)
+        return
+    adam_step_(*[_pick(r, plain) for r in rows], None, inv_scale, found_inf, options)
     if other:
-        picked = [_pick(r, other) for r in (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)]
         scale_lists = None if scales is None else tuple(_pick(s, other) for s in scales)
-        compact_adam_step_(*picked, scale_lists, inv_scale, found_inf, options)
+        compact_adam_step_(
+            *[_pick(r, other) for r in rows], scale_lists, inv_scale, found_inf, options
+        )
 
 
 def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
@@ -305,12 +306,16 @@ def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, optio
         for group in _one_dtype_each(masters, grads, buffers if momentum else None, lows):
             _sgd_step(*group, inv_scale, found_inf, options, first_step)
         return
-    if plain:
-        sgd_step_(
-            _pick(grads, plain), _pick(lows, plain), _pick(masters, plain),
-            _pick(buffers, plain) if momentum else buffers, None, inv_scale, found_inf,
-            options, first_step,
+    if not plain:  # every row compact: the lists as they are
+        compact_sgd_step_(
+            grads, lows, masters, buffers, scales, inv_scale, found_inf, options, first_step
         )
+        return
+    sgd_step_(
+        _pick(grads, plain), _pick(lows, plain), _pick(masters, plain),
+        _pick(buffers, plain) if momentum else buffers, None, inv_scale, found_inf,
+        options, first_step,
+    )
     if other:
         compact_sgd_step_(
             _pick(grads, other), _pick(lows, other), _pick(masters, other),

@@ -17,6 +17,7 @@ encoded again: an inf weight's correction, a NaN's payload, a low copy another w
 as they were), so a skipped step changes no bit.
 """
 
+import itertools
 import operator
 
 import torch
@@ -26,26 +27,43 @@ from . import _codecs
 __all__ = ["PIECE", "WHOLE", "adam_step_", "sgd_step_"]
 
 PIECE = 1 << 20  # elements per piece: 4 MiB a FP32 temporary
+ALL = slice(None)  # _whole_rows' answer where every row is stepped whole
 WHOLE = 1 << 24  # elements per run of rows stepped whole
 _dtype = operator.attrgetter("dtype")
 _numel = torch.Tensor.numel
+_contiguous = torch.Tensor.is_contiguous
+_flatten = torch.Tensor.flatten
+repeat = itertools.repeat
 
 
 def _whole_rows(masters, moments, scales):
     """Indices of the rows stepped whole (an int16 remainder, FP32 moments) and of the others."""
-    whole, pieces = [], []
-    for i, master in enumerate(masters):
-        fp32 = scales is None and all(m is None or m[i].dtype is torch.float32 for m in moments)
-        (whole if master.dtype is torch.int16 and fp32 else pieces).append(i)
-    return whole, pieces
+    remainders = list(map(operator.is_, map(_dtype, masters), repeat(torch.int16)))
+    if scales is None:
+        fp32 = [map(operator.is_, map(_dtype, m), repeat(torch.float32)) for m in moments if m]
+        whole = list(map(all, zip(remainders, *fp32)))
+    else:
+        whole = [False] * len(masters)
+    if all(whole):
+        return ALL, []
+    return [i for i, w in enumerate(whole) if w], [i for i, w in enumerate(whole) if not w]
 
 
 def _pick(values, indices):
-    return None if values is None else [values[i] for i in indices]
+    """values[indices]; the lists themselves where `indices` is all of them (ALL)."""
+    if values is None or indices is ALL:
+        return values
+    return [values[i] for i in indices]
 
 
 def _runs(indices, numels):
-    """`indices` in runs of at most WHOLE elements (a larger tensor alone)."""
+    """`indices` (or ALL) in runs of at most WHOLE elements (a larger tensor alone)."""
+    if indices is ALL:
+        if sum(numels) <= WHOLE:
+            return [ALL]
+        indices = range(len(numels))
+    if not indices:
+        return []
     runs, run, size = [], [], 0
     for i in indices:
         if run and size + numels[i] > WHOLE:
@@ -176,7 +194,7 @@ def _unscaled(grad, piece, inv_scale):
 
 def _unscaled_whole(grads, inv_scale):
     """The gradients in FP32, each in its own layout, times `inv_scale` (one rounding)."""
-    if inv_scale is None and all(grad.dtype is torch.float32 for grad in grads):
+    if inv_scale is None and all(map(operator.is_, map(_dtype, grads), repeat(torch.float32))):
         return grads
     copies = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
     torch._foreach_copy_(copies, grads)  # exact
@@ -195,31 +213,27 @@ class _Whole:
     def __init__(self, lows, remainders):
         self.lows, self.remainders = lows, remainders
         self.buffer = None
-        if all(t.is_contiguous() for t in (*lows, *remainders)):
+        if all(map(_contiguous, lows)) and all(map(_contiguous, remainders)):
+            self.flat_lows = list(map(_flatten, lows))
+            self.flat_remainders = list(map(_flatten, remainders))
+            self.numels = list(map(_numel, lows))
             self.buffer = _codecs.remainder_decode(
-                torch.cat([low.view(-1) for low in lows]),
-                torch.cat([rem.view(-1) for rem in remainders]),
+                torch.cat(self.flat_lows), torch.cat(self.flat_remainders)
             )
-            parts = self.buffer.split(list(map(_numel, lows)))
-            self.fp32 = [part.view(low.shape) for part, low in zip(parts, lows)]
+            parts = torch.split_with_sizes(self.buffer, self.numels)
+            self.fp32 = list(map(torch.Tensor.view_as, parts, lows))
         else:
             self.fp32 = [torch.empty_like(low, dtype=torch.float32) for low in lows]
             for value, low, rem in zip(self.fp32, lows, remainders):
-                value.copy_(_codecs.remainder_decode(low, rem))
+                value.copy_(_codecs.remainder_decode(low, rem).view(low.shape))
 
     def write_back(self):
-        lows, remainders = self.lows, self.remainders
         if self.buffer is not None:
             weights, rests = _codecs.remainder_encode(self.buffer)
-            numels = list(map(_numel, lows))
-            torch._foreach_copy_(
-                [low.view(-1) for low in lows], list(weights.split(numels))
-            )
-            torch._foreach_copy_(
-                [rem.view(-1) for rem in remainders], list(rests.split(numels))
-            )
+            torch._foreach_copy_(self.flat_lows, torch.split_with_sizes(weights, self.numels))
+            torch._foreach_copy_(self.flat_remainders, torch.split_with_sizes(rests, self.numels))
             return
-        for value, low, rem in zip(self.fp32, lows, remainders):
+        for value, low, rem in zip(self.fp32, self.lows, self.remainders):
             weight, rest = _codecs.remainder_encode(value)
             low.copy_(weight.view(low.shape))
             rem.copy_(rest.view(rem.shape))

@@ -172,6 +172,8 @@ class GradScaler(torch.amp.GradScaler):
         Distributed, the flags are the MAX over all ranks: every rank steps or skips together
         and keeps the same scale (one small collective per call).
         """
+        if _o2_record(optimizer) is not None:  # its gradients are amp.scale_loss's to unscale
+            raise ScalerStateError(_no_inf_checks(optimizer))
         per_device = {}
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -289,9 +291,14 @@ def _check_options(init_scale, growth_factor, backoff_factor, growth_interval, e
         raise ScalerValueError(f"growth_interval must be a positive int; got {growth_interval!r}.")
 
 
-def _no_inf_checks(optimizer):
+def _o2_record(optimizer):
+    """The amp record of an optimizer amp.initialize set up with master weights, or None."""
     record = getattr(optimizer, "__dict__", {}).get("_amp_record")
-    if record is not None and record.table.models:
+    return record if record is not None and record.owner is not None else None
+
+
+def _no_inf_checks(optimizer):
+    if _o2_record(optimizer) is not None:
         return (
             "No inf checks were recorded for this optimizer: amp.initialize set it up with FP32 "
             "master weights (O2), whose gradients only amp.scale_loss fills. Use `with "

@@ -3,22 +3,29 @@ and ZeroRedundancyOptimizer stepping the O2 masters.
 
 - What amp cannot support is refused at `amp.initialize` (low-precision model casts of sharded
   models), and a parameter replaced after `amp.initialize` (a wrapper applied too late) raises at
-  the next step instead of training nothing: each optimizer's table (table.py) remembers where
-  its parameters sit, and its step checks that with C-level lookups.
+  the next step instead of training nothing: each optimizer's record remembers where its
+  parameters sit (`Places`), and its step checks that with C-level lookups.
 - ZeroRedundancyOptimizer at O2 steps amp's FP32 masters on each rank's partition.
-- DistributedDataParallel at O2 broadcasts rank 0's FP32 masters with its parameters.
+- DistributedDataParallel at O2 broadcasts rank 0's masters' rests with its parameters.
 """
 
 import functools
+import operator
 import sys
 
 import torch
 
 from .._state import amp_state
 from ..distributed import clean_name, dtensor_class, has_dtensors
-from .table import find
 
-__all__ = ["check_engines", "anchor", "check_places", "follow_masters", "follow_ddp_broadcast"]
+__all__ = [
+    "check_engines",
+    "Places",
+    "anchor",
+    "check_places",
+    "follow_masters",
+    "follow_ddp_broadcast",
+]
 
 _SUPPORTED_ROUTES = (
     "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'); or, "
@@ -84,21 +91,55 @@ def check_engines(models, optimizers, properties):
 
 
 def anchor(records, models):
-    """Anchor each record's table where its parameters sit in `models` now (initialize,
+    """Anchor each record where its parameters sit in `models` now (initialize,
     add_param_group): a step checks that they are still there."""
     places = _places(models)
     for record in records:
         record.anchor(places)
 
 
-def check_places(table, caller):
-    """Raise if a parameter of `table` left the models (a wrapper applied after amp.initialize,
-    or an assignment, replaced it); follow the ones that only moved. Runs when the table's
-    C-level check found a parameter away from its place."""
-    places = _places(amp_state.models)
+class Places:
+    """Where the parameters an optimizer steps sit in the models: each one's module
+    `_parameters` dict, its name there and its qualified name (for messages)."""
+
+    def __init__(self):
+        self.params, self.dicts, self.names, self.qualified = [], [], [], []
+        self.qualified_of = {}  # id(parameter as the model holds it) -> its qualified name
+
+    def anchor(self, params, places):
+        """Remember where each of `params` sits: `places` maps id(param) to (module._parameters,
+        name, qualified name, ...). Parameters in no model are not watched."""
+        found = [(param, places[id(param)]) for param in params if id(param) in places]
+        self.params = [param for param, _ in found]
+        self.dicts = [place[0] for _, place in found]
+        self.names = [place[1] for _, place in found]
+        self.qualified = [place[2] for _, place in found]
+        self.qualified_of = dict(zip(map(id, self.params), self.qualified))
+
+    def in_place(self):
+        """True when every parameter still sits where it was anchored (C-level lookups)."""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.names), self.params))
+
+    def name_of(self, param, groups):
+        """The qualified name of `param`, or its place in `groups` for one in no model."""
+        name = self.qualified_of.get(id(param))
+        if name is not None:
+            return name
+        for group_index, group in enumerate(groups):
+            for param_index, candidate in enumerate(group["params"]):
+                if candidate is param:
+                    return f"param_groups[{group_index}]['params'][{param_index}]"
+        return None
+
+
+def check_places(places, caller):
+    """Raise if a parameter of `places` left the models (a wrapper applied after amp.initialize,
+    or an assignment, replaced it); follow the ones that only moved. Runs when the C-level check
+    found a parameter away from its place."""
+    found = _places(amp_state.models)
     dtensor = dtensor_class()
-    for param, qualified in zip(table.params, table.qualified):
-        if id(param) in places or (dtensor is not None and isinstance(param, dtensor)):
+    for param, qualified in zip(places.params, places.qualified):
+        if id(param) in found or (dtensor is not None and isinstance(param, dtensor)):
             continue  # moved, or FSDP2's sharded parameter while its unsharded view is in
         raise RuntimeError(
             f"{caller}: the parameter {clean_name(qualified or '?')!r} that amp set up at "
@@ -106,7 +147,7 @@ def check_places(table, caller):
             "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
             "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
         )
-    table.anchor(table.params, places)
+    places.anchor(places.params, found)
 
 
 def _places(models):
@@ -185,8 +226,8 @@ def _with_masters(original):
         params_and_buffers_to_ignore,
         broadcast_buffers=True,
     ):
-        for table in amp_state.tables:  # each rank's own writes first: master and model agree
-            table.take_outside_writes()
+        for rows in amp_state.rows:  # each rank's own writes first: master and model agree
+            rows.take_writes()
         original(
             module,
             process_group,
@@ -195,22 +236,26 @@ def _with_masters(original):
             params_and_buffers_to_ignore,
             broadcast_buffers,
         )
-        rows = []
+        found = []
         for name, param in module.named_parameters():
             if name in params_and_buffers_to_ignore:
                 continue
-            table, row = find(param, amp_state.tables)
-            if table is not None:
-                rows.append((table, row))
-        if rows:  # a compact row's value is its (broadcast) weight and its correction
-            masters = [
-                (table.corrections if table.compact else table.masters)[row].detach()
-                for table, row in rows
-            ]
+            rows = amp_state.owners.get(id(param))
+            if rows is not None:
+                found.append((rows, rows.index[id(param)]))
+        if found:  # a row's value is its (broadcast) weight and its rest
+            # int16 remainders as bytes: not every backend (gloo) broadcasts int16
+            rests = [_bytes(rows.rest(row).detach()) for rows, row in found]
             torch.distributed._broadcast_coalesced(
-                process_group, masters, broadcast_bucket_size, src
+                process_group, rests, broadcast_bucket_size, src
             )
-            for table, row in rows:  # rank 0's parameter and master: they agree
-                table.mark_row(row)
+            for rows, row in found:  # rank 0's parameter and rest: they agree
+                rows.mark_row(row)
+                rows.refresh([row])
 
     return sync_module_states
+
+
+def _bytes(tensor):
+    """An int16 tensor's bytes (a view); other tensors as they are."""
+    return tensor.reshape(-1).view(torch.int8) if tensor.dtype is torch.int16 else tensor

@@ -14,16 +14,18 @@ backward to add to (DDP all-reduces `.grad` as it is then), keeping a copy to pu
 raises. A block nested in another on the same optimizer hands its unscaled gradients to the
 enclosing block, which joins them if it exits normally itself.
 
-O2: the master gradients are the unscaled store. New model gradients are unscaled into them (one
-kernel launch per dtype group) and dropped from the model; a sparse model gradient gives a sparse
-master gradient. Where the optimizer's owner hands a block a Deferral (the CuPy kernels, amp's
-fused step to come), they are only checked and kept low precision for the step, which unscales
-them as it reads them (deferral.py): no FP32 master gradient is made.
+O2: the master gradients are the unscaled store, held by the optimizer's owner (owner.py,
+copies.py). New model gradients are unscaled into them (one kernel launch per dtype group) and
+dropped from the model; a sparse model gradient gives a sparse master gradient. Where the owner
+keeps them (amp's fused step, `owner.keep`), a block's fresh dense ones are only checked and kept
+low precision for the step, which unscales them as it reads them: no FP32 master gradient is
+made.
 
 The stash is handed the parameters whose gradients a backward writes, or the plain ones (no
-masters), and reads the master rows from the optimizer's table (table.py).
+row), and reads the rows from the optimizer's owner.
 """
 
+import functools
 import itertools
 import operator
 
@@ -32,7 +34,7 @@ import torch
 from .. import distributed, kernels
 from .columns import GRAD, IS_SPARSE, NONES, NOT_NONE, consume, repeat
 
-__all__ = ["GradientStash", "add_to_master_grad"]
+__all__ = ["GradientStash"]
 
 
 def _take(params):
@@ -89,10 +91,10 @@ class _Frame:
 
 
 class GradientStash:
-    """The scale_loss frames of one optimizer, whose rows `table` holds."""
+    """The scale_loss frames of one optimizer, whose rows `owner` holds (None: no rows)."""
 
-    def __init__(self, table):
-        self.table = table
+    def __init__(self, owner):
+        self.owner = owner
         self.frames = []
         self.kept = []  # unscaled (param, grad) kept apart while `.grad` hold scaled ones
         self.scaled_by = None  # the LossScaler whose scale `.grad` hold, after delay_unscale
@@ -109,7 +111,7 @@ class GradientStash:
     def enter(self, scaler, delay_unscale, inv_scale, identity, holders):
         """A block opens: its loss is scaled by `scaler`, whose 1/scale is `inv_scale` (a tensor
         on the loss's device, which no update writes). `holders`: the tensors whose `.grad` a
-        backward of the optimizer's loss writes (table.grad_holders)."""
+        backward of the optimizer's loss writes (OptimizerRecord.grad_holders)."""
         if not self.frames and self.scaled_by is scaler:
             # Continuing an accumulation: the scaled sum stays in `.grad` for backward to add to,
             # as autograd does and as DDP's reducer needs (after no_sync() micro-batches it
@@ -128,11 +130,13 @@ class GradientStash:
         for param, grad in frame.taken or frame.copies:
             param.grad = grad
 
-    def commit(self, found_inf, plain, deferral=None):
+    def commit(self, found_inf, plain, sharded=False):
         """The block exited normally: join its gradients with the ones taken (see module doc).
         Gradients unscaled here are checked for inf/NaN into `found_inf` (a float32 flag).
-        `plain`: the optimizer's parameters that are no masters (table.plain_params). New master
-        gradients go to `deferral`, if given, where they can (fresh and dense)."""
+        `plain`: the optimizer's parameters without a row; `sharded`: some are DTensors (FSDP2),
+        unscaled through their local shards. New master gradients are kept low precision where
+        the owner keeps them and they can be (fresh and dense)."""
+        self.sharded = sharded
         frame = self.frames.pop()
         nested = bool(self.frames)
         taken_scaled = nested or self.scaled_by is not None
@@ -145,7 +149,7 @@ class GradientStash:
             return
         if nested:
             self.frames[-1].done.extend(frame.done)
-            self.frames[-1].done.extend(self._unscale(frame, found_inf, plain, None, False))
+            self.frames[-1].done.extend(self._unscale(frame, found_inf, plain, False, False))
             _join(frame.taken)  # the enclosing block's own (still scaled) gradients
             return
         if taken_scaled:
@@ -155,15 +159,16 @@ class GradientStash:
         else:
             extras = frame.taken + frame.done
         if not extras:
-            self._unscale(frame, found_inf, plain, deferral, True)
+            self._unscale(frame, found_inf, plain, True, True)
             return
-        table = self.table
+        owner = self.owner
+        index = {} if owner is None else owner.index
         for param, grad in extras:  # already unscaled: into the masters first (as apex's order)
-            row = table.index.get(id(param))
+            row = index.get(id(param))
             if row is not None:
-                add_to_master_grad(table.masters[row], grad.float())
-        self._unscale(frame, found_inf, plain, None, True)
-        _join([(param, grad) for param, grad in extras if id(param) not in table.index])
+                _add_to_master_grad(owner, row, grad.float())
+        self._unscale(frame, found_inf, plain, False, True)
+        _join([(param, grad) for param, grad in extras if id(param) not in index])
 
     def reset(self):
         """zero_grad(): the gradients kept apart, and those open blocks took when they opened,
@@ -180,20 +185,23 @@ class GradientStash:
     def adopt_model_grads(self):
         """Before a step: gradients of model parameters made by a backward outside scale_loss
         join the master gradients unscaled (apex dropped them; without this O2 would not
-        step)."""
-        table = self.table
-        for model_param, master in zip(table.models, table.masters):
-            grad = model_param.grad
+        step). A bf16 model's `.grad` is its gradient as it is: nothing to adopt."""
+        owner = self.owner
+        if owner.in_model(None) or all(map(operator.is_, map(GRAD, owner.params), NONES)):
+            return
+        owner.materialize()
+        for row, param in enumerate(owner.params):
+            grad = param.grad
             if grad is not None:
-                add_to_master_grad(master, grad.float())
-                model_param.grad = None
+                _add_to_master_grad(owner, row, grad.float())
+                param.grad = None
 
-    def _unscale(self, frame, found_inf, params, deferral, into_masters):
+    def _unscale(self, frame, found_inf, params, keep, into_masters):
         """Unscale and check the gradients in `.grad` by `frame`'s scale. into_masters: O2 model
-        gradients go into the master gradients (or to `deferral`), plain ones stay in `.grad`;
-        else every unscaled gradient is taken out of `.grad` and returned as (param, grad), for
-        the enclosing block."""
-        table = self.table
+        gradients go into the master gradients (or, `keep`, kept by the owner), plain ones stay
+        in `.grad`; else every unscaled gradient is taken out of `.grad` and returned as (param,
+        grad), for the enclosing block."""
+        owner = self.owner
         inv_scale = frame.inv
         grads = [*filter(NOT_NONE, map(GRAD, params))] if params else ()
         views = ()
@@ -202,26 +210,27 @@ class GradientStash:
             # C-level checks per gradient (a generator costs a Python frame per parameter).
             if any(map(IS_SPARSE, grads)) or any(map(torch.is_complex, grads)):
                 views = [_unscalable(p, p.grad) for p in params if p.grad is not None]
-            if table.sharded:
+            if self.sharded:
                 views = distributed.local_tensors(views)
         handed = [] if into_masters or not params else _take(params)  # unscaled in place below
-        if not table.models:
+        if owner is None or not owner.params:
             kernels.unscale_(views, inv_scale, found_inf)
         else:  # with the model gradients, in one launch where it can
-            _unscale_model_grads(
-                table, inv_scale, found_inf, into_masters, handed, views, deferral
-            )
+            _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, views, keep)
         return handed
 
 
-def _unscale_model_grads(table, inv_scale, found_inf, into_masters, handed, plain, deferral):
+def _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, plain, keep):
     """O2: the model gradients, unscaled and checked, into FP32 gradients: the master gradients
-    (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. The
-    model's gradients are dropped. Fresh dense ones are only checked and kept low precision by
-    `deferral` where one is given. The `plain` gradients are unscaled in place and checked, with
-    the new master gradients where those are made."""
-    models, masters = table.models, table.masters
+    (into_masters; added to those there), else (model param, FP32 gradient) into `handed`. Fresh
+    dense ones (`keep`) stay where the owner has them: in the model's `.grad`, unscaled in place
+    (a bf16 model's), or kept low precision and scaled for the step; else the model's gradients
+    are dropped (a bf16 model's `.grad` then holds its FP32 master gradients' rounding). The
+    `plain` gradients are unscaled in place and checked, with the new master gradients where
+    those are made."""
+    models = owner.params
     grads = list(map(GRAD, models))
+    rows = range(len(models))
     # Identity tests at C level: `None in grads` would compare each tensor with ==, 20 us each.
     present = list(map(operator.is_not, grads, NONES))
     if not all(present):
@@ -229,38 +238,55 @@ def _unscale_model_grads(table, inv_scale, found_inf, into_masters, handed, plai
             kernels.unscale_(plain, inv_scale, found_inf)
             return
         models = list(itertools.compress(models, present))  # parameters that had no gradient
-        masters = list(itertools.compress(masters, present))  # (unused in this backward)
+        rows = list(itertools.compress(rows, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
-    consume(map(setattr, models, repeat("grad"), NONES))
-    master_grads = list(map(GRAD, masters)) if into_masters else [None]
+    if into_masters:
+        all_grads = owner.master_grads()
+        master_grads = [all_grads[row] for row in rows]
+    else:
+        master_grads = [None]
     fresh_ones = all(map(operator.is_, master_grads, NONES))
-    if not fresh_ones or any(map(IS_SPARSE, grads)):
+    dense = not any(map(IS_SPARSE, grads))
+    if into_masters and keep and fresh_ones and dense and owner.in_model(grads[0].device):
+        kernels.unscale_([*plain, *grads] if plain else grads, inv_scale, found_inf)
+        return
+    consume(map(setattr, models, repeat("grad"), NONES))
+    if not fresh_ones or not dense:
         kernels.unscale_(plain, inv_scale, found_inf)
         if (
-            any(map(IS_SPARSE, grads))
+            not dense
             or any(map(operator.is_, master_grads, NONES))  # some master gradients only
             or any(map(IS_SPARSE, master_grads))
         ):
-            _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed)
+            _unscale_one_by_one(owner, models, rows, grads, inv_scale, found_inf, into_masters,
+                                handed)
         else:  # into the master gradients there, one launch per dtype group
             kernels.unscale_add_(grads, master_grads, inv_scale, found_inf, check=False)
+        if into_masters:
+            owner.place_copies(list(rows))
         return
-    if into_masters and deferral is not None:
+    if into_masters and keep and owner.keeps_on(grads[0].device):
         kernels.unscale_(plain, inv_scale, found_inf)
-        deferral.defer(models, masters, grads, inv_scale, found_inf)
+        kernels.check_(grads, found_inf)
+        owner.keep(list(rows), grads, inv_scale)
         return
     # One launch per dtype group and piece (per launch-sized run of tensors with the CuPy
     # kernels); each piece's low-precision gradients are let go before the next is made.
-    for start, stop in _pieces(masters):
-        fresh = list(map(torch.empty_like, masters[start:stop]))
+    rows = list(rows)
+    for start, stop in _pieces(models):
+        fresh = list(map(_EMPTY_FP32, models[start:stop]))
         kernels.unscale_to_(grads[start:stop], fresh, inv_scale, found_inf, check=False, also=plain)
         grads[start:stop] = [None] * (stop - start)
         plain = ()
         if into_masters:
-            consume(map(setattr, masters[start:stop], repeat("grad"), fresh))
+            owner.set_master_grads(rows[start:stop], fresh)
         else:
             handed.extend(zip(models[start:stop], fresh))
+    if into_masters:
+        owner.place_copies(rows)
 
+
+_EMPTY_FP32 = functools.partial(torch.empty_like, dtype=torch.float32)
 
 # FP32 gradients made from low-precision ones at once: a quarter of them. All at once, the model's
 # gradients and all the new ones are held together (6 bytes a parameter with bf16, the step's
@@ -269,12 +295,12 @@ _PIECES = 4
 _WHOLE = 1 << 22  # elements: up to this, one piece (one launch, as a hand-written O2 makes)
 
 
-def _pieces(masters):
-    """(start, stop) runs of `masters` of about 1/_PIECES of their elements each."""
-    numels = list(map(torch.Tensor.numel, masters))
+def _pieces(models):
+    """(start, stop) runs of `models` of about 1/_PIECES of their elements each."""
+    numels = list(map(torch.Tensor.numel, models))
     total = sum(numels)
     if total <= _WHOLE:
-        return [(0, len(masters))]
+        return [(0, len(models))]
     bound, runs, start, size = total / _PIECES, [], 0, 0
     for index, numel in enumerate(numels):
         size += numel
@@ -286,10 +312,11 @@ def _pieces(masters):
     return runs
 
 
-def _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_masters, handed):
+def _unscale_one_by_one(owner, models, rows, grads, inv_scale, found_inf, into_masters, handed):
     """_unscale_model_grads for a mix of sparse and dense gradients, or of master gradients."""
     fresh_sources, fresh, add_sources, add_to, later = [], [], [], [], []
-    for model_param, master, grad in zip(models, masters, grads):
+    master_grads = owner.master_grads()
+    for model_param, row, grad in zip(models, rows, grads):
         if grad.is_sparse:
             grad = grad.coalesce()
             values = torch.empty_like(grad._values(), dtype=torch.float32)
@@ -298,31 +325,33 @@ def _unscale_one_by_one(models, masters, grads, inv_scale, found_inf, into_maste
                 grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False
             )
             if into_masters:
-                add_to_master_grad(master, unscaled)
+                _add_to_master_grad(owner, row, unscaled)
             else:
                 handed.append((model_param, unscaled))
-        elif into_masters and master.grad is not None and not master.grad.is_sparse:
+        elif into_masters and master_grads[row] is not None and not master_grads[row].is_sparse:
             add_sources.append(grad)
-            add_to.append(master.grad)
+            add_to.append(master_grads[row])
         else:
-            destination = torch.empty_like(master)
+            destination = torch.empty_like(model_param, dtype=torch.float32)
             fresh_sources.append(grad)
             fresh.append(destination)
             if not into_masters:
                 handed.append((model_param, destination))
             else:
-                later.append((master, destination))
+                later.append((row, destination))
     kernels.unscale_to_(fresh_sources, fresh, inv_scale, found_inf, check=False)
     kernels.unscale_add_(add_sources, add_to, inv_scale, found_inf, check=False)
-    for master, grad in later:
-        add_to_master_grad(master, grad)
+    for row, grad in later:
+        _add_to_master_grad(owner, row, grad)
 
 
-def add_to_master_grad(master, grad):
-    """master.grad += grad (FP32), keeping a sparse gradient sparse (SparseAdam needs it)."""
-    if master.grad is None:
-        master.grad = grad
-    elif master.grad.is_sparse or grad.is_sparse:
-        master.grad = master.grad + grad
+def _add_to_master_grad(owner, row, grad):
+    """The row's master gradient += grad (FP32), a sparse gradient kept sparse (SparseAdam
+    needs it)."""
+    current = owner.master_grads()[row]
+    if current is None:
+        owner.set_master_grads([row], [grad])
+    elif current.is_sparse or grad.is_sparse:
+        owner.set_master_grads([row], [current + grad])
     else:
-        master.grad.add_(grad)
+        current.add_(grad)

@@ -1,20 +1,24 @@
-"""Setting an optimizer up for amp: its FP32 masters made (O2), its OptimizerRecord (optimizer.py)
-attached, its step, zero_grad and add_param_group replaced by the record's (optimizer.py's
-`replacement`), its state dicts made to carry the masters (optimizer_state.py), all undone by
-amp's ledger."""
+"""Setting an optimizer up for amp: at O2 the owner of the cast parameters it steps, on the path
+paths.choose decides for its groups (owner.py or copies.py); its OptimizerRecord (optimizer.py)
+attached; its step, zero_grad and add_param_group replaced by the record's (optimizer.py's
+`replacement`); its state dicts carrying the masters (optimizer_state.py); all undone by amp's
+ledger."""
 
 import inspect
 
-from .. import kernels
+import torch
+
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import require_optimizer_like
-from . import engines, masters, optimizer_state
-from .deferral import Deferral
-from .fused_step import FusedStep
+from . import engines, fused_step, optimizer_state
+from .copies import MasterCopies, new_master
+from .forms import StateForm
 from .optimizer import PATCHED_METHODS, OptimizerRecord, replacement
-from .table import ParamTable
+from .owner import StateOwner
+from .paths import FUSED, GENERAL, choose, master_form
 
-__all__ = ["check_optimizer", "takes_found_inf", "instrument"]
+__all__ = ["check_optimizer", "takes_found_inf", "instrument", "match_state_to_params"]
+
 
 def check_optimizer(optimizer, index):
     require_optimizer_like(optimizer, f"amp.initialize: optimizers[{index}]")
@@ -31,30 +35,25 @@ def takes_found_inf(optimizer):
     return "grad_scaler" not in inspect.signature(optimizer.step).parameters
 
 
-def instrument(optimizer, params_with_masters, ledger, compact=False, state="fp32"):
-    """Set `optimizer` up for amp: masters for `params_with_masters` (ids; FP32, or `compact`),
-    patched methods, its moments kept as `state` says (compact_state.py).
-
-    Must run before the model is cast, so the masters are the exact FP32 weights.
-    """
-    # Runs last on undo, after the model has its FP32 weights back.
-    ledger.add_undo(
-        "optimizer state in the parameters' dtype",
-        lambda: masters.match_state_to_params(optimizer),
-    )
-    table = ParamTable(compact=compact)
-    for group in optimizer.param_groups:
-        for index, param in enumerate(group["params"]):
-            if id(param) in params_with_masters:
-                if compact:
-                    master, correction = masters.compact_master(param)
-                else:
-                    master, correction = masters.new_master(param), None
-                param.grad = None
-                group["params"][index] = master
-                if param in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(param)
-                table.add_master(param, master, correction)
+def instrument(optimizer, index, cast_ids, properties, ledger):
+    """Set `optimizer` (optimizers[index]) up for amp: at O2 the owner of the cast parameters
+    it steps (`cast_ids`; FP32 still), its path chosen (`choose`); its methods patched, its state
+    dicts carrying the masters. Runs before the model is cast."""
+    owner = None
+    if properties.master_weights and cast_ids:
+        paths = [
+            choose(optimizer, group, properties, f"optimizers[{index}].param_groups[{number}]")
+            for number, group in enumerate(optimizer.param_groups)
+        ]
+        path = FUSED if all(p == FUSED for p, _ in paths) else GENERAL
+        owner = _owner(optimizer, cast_ids, properties, path)
+    if owner is None:  # O3's: state made with FP32 parameters follows them, as torch's load does
+        ledger.add_undo(
+            "optimizer state in the parameters' dtype", lambda: match_state_to_params(optimizer)
+        )
+    else:
+        ledger.add_undo("optimizer state in torch's own form", owner.give_back)
+        amp_state.rows.append(owner)
     hooked = optimizer_state.takes_hooks(optimizer)
     originals = {
         name: getattr(optimizer, name)
@@ -63,25 +62,11 @@ def instrument(optimizer, params_with_masters, ledger, compact=False, state="fp3
         if (name != "add_param_group" or hasattr(optimizer, name))
         and not (hooked and name in ("state_dict", "load_state_dict"))
     }
-    fused = deferral = None
-    if table.models:
-        fused = FusedStep.made_for(optimizer, originals["step"], compact, state)
-        if fused is not None and fused.form is not None:  # compact state: kept low, any backend
-            deferral = Deferral(type(table.masters[0]))
-            _state_in_form(optimizer, fused.form, ledger)
-        elif fused is not None and kernels.fuses(table.masters[0].device):
-            deferral = Deferral()
-    record = OptimizerRecord(
-        optimizer, originals, table, fused, deferral, takes_found_inf(optimizer)
-    )
-    if params_with_masters:  # a group added later may bring masters too
-        ledger.add_undo("optimizer steps its model parameters again", record.give_back)
-    if table.models:
-        engines.follow_masters(optimizer, list(zip(table.models, table.masters)), ledger)
-    amp_state.tables.append(table)
-    if hooked:
-        record.state_hooks = optimizer_state.StateDictHooks(table, fused)
-        for handle in record.state_hooks.register(optimizer):
+    record = OptimizerRecord(optimizer, originals, owner, takes_found_inf(optimizer))
+    if isinstance(owner, MasterCopies):
+        engines.follow_masters(optimizer, list(zip(owner.params, owner.masters)), ledger)
+    if hooked and owner is not None:
+        for handle in optimizer_state.StateDictHooks(owner).register(optimizer):
             ledger.add_hook(handle, "optimizer state dict hook")
     for name in originals:
         ledger.patch(
@@ -92,12 +77,43 @@ def instrument(optimizer, params_with_masters, ledger, compact=False, state="fp3
     return record
 
 
-def _state_in_form(optimizer, form, ledger):
-    """State the optimizer holds already (a load before initialize) in `form`; torch's FP32
-    format again at deinitialize (which runs this undo after the masters went back)."""
+def _owner(optimizer, cast_ids, properties, path):
+    groups = optimizer.param_groups
+    if path == FUSED:
+        kind = fused_step.kind_of(optimizer)
+        form = StateForm(kind, master_form(properties, FUSED), properties.optimizer_state)
+        owner = StateOwner(optimizer, kind, form)
+        params = [p for group in groups for p in group["params"]]
+        for number, param in enumerate(params):  # state loaded before: its form (FP32 params)
+            owner.convert_state(param, number)
+        for param in params:
+            if id(param) in cast_ids and id(param) not in owner.index:
+                owner.add(param)
+        return owner
+    owner = MasterCopies(optimizer, properties.cast_model_type)
     state = optimizer.state
-    ledger.add_undo(
-        "optimizer state in torch's format",
-        lambda: state.update({key: form.to_torch(entry) for key, entry in state.items()}),
-    )
-    state.update({key: form.from_torch(entry) for key, entry in state.items()})
+    for group in groups:
+        for position, param in enumerate(group["params"]):
+            if param in state:  # a checkpoint of the fused path's forms: torch's format
+                state[param] = optimizer_state.in_torch_form(state[param], param)
+            if id(param) in cast_ids and id(param) not in owner.index:
+                master = new_master(param)
+                param.grad = None
+                group["params"][position] = master
+                if param in state:
+                    state[master] = state.pop(param)
+                owner.add(param, master)
+    return owner
+
+
+def match_state_to_params(optimizer):
+    """Cast floating optimizer state to its parameter's dtype, as torch's load_state_dict does."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if (
+                key != "step"
+                and isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and value.dtype != param.dtype
+            ):
+                state[key] = value.to(param.dtype)

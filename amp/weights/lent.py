@@ -1,73 +1,116 @@
-"""The FP32 values a state dict lends out for compact rows (which hold no FP32 tensor).
+"""The FP32 values handed out for rows that hold no FP32 tensor (an exact master's bf16 weight and
+remainder, a compact one's weight and correction): by `model.state_dict()` and, with the master
+gradients on them, by `amp.master_params`.
 
-`model.state_dict()` at O2 hands out the FP32 tensors themselves, and code writes through them
-(timm's ModelEmaV2 updates a model through a state dict it then drops). A compact row's value is
-decoded from its bf16 weight and int8 correction into a new tensor, so the table keeps the tensor
-it lent in step with the row, as an exact master's tensor is: a write into it reaches the row
-before a step, a forward or deinitialize (the FP32 side wins), and a step, a load or an outside
-write to the weight is seen in it (a step or a load refreshes it; a state dict taken later reads
-the row again). The table holds it until its writes have been taken (the next step or forward),
-then only weakly: a state dict dropped costs nothing after, one kept stays in step.
+A state dict at O2 hands out FP32 values, and code writes through them as through torch's own
+(timm's ModelEmaV2/V3 update a model through a state dict they then drop; torch's distributed
+checkpoint loads into the tensors of the state dict it was given). So a row keeps the tensor it
+lent in step with it, as an FP32 master is: a write into the tensor is the row's value from the
+next step or forward on (the FP32 side wins, as for an FP32 master), and a step, a load or a
+write taken in is seen in it.
+
+Lending only reads: it decodes the row into a new tensor and notes it, or hands out the one
+already lent. Nothing that reads (a step hook, another thread's state dict, amp.master_params)
+writes a row or a mark; only the training thread's step, forward, load and undo take what was
+written (`written`) and refresh the tensors (`refresh`). A lent tensor is held until its writes
+have been taken, then only weakly: one dropped costs nothing after, one kept stays in step. The
+usual check, nothing written, is a few C-level compares over parallel lists.
 """
 
+import operator
 import weakref
 
 import torch
 
+from .columns import NONES as _NONES
+
 __all__ = ["LentValues"]
 
-_STRONG, _WEAK, _VERSION = 0, 1, 2  # an entry: [the tensor or None, a weak reference, version]
+_VERSION = operator.attrgetter("_version")
+_CALL = operator.call
+_NOT_NONE = operator.is_not
 
 
-class LentValues(dict):
-    """id(model parameter) -> [the FP32 tensor lent out until its writes are taken, else None; a
-    weak reference to it; its version when amp last wrote it]."""
+class LentValues:
+    """The FP32 tensors lent for rows of one owner, by the id of their parameter."""
 
-    def lend(self, table, row):
-        """The row's FP32 value as a state dict hands it out: one tensor while it is held,
-        brought in step with the row (a write into it taken in first)."""
-        key = id(table.models[row])
-        lent = self.get(key)
-        value = None if lent is None else lent[_WEAK]()
+    def __init__(self):
+        self.keys, self.refs, self.versions = [], [], []
+        self.strong = {}  # index -> the tensor, held until its writes are taken
+        self.seen = []  # the parameter's (version, data pointer) when its value was lent
+        self.position = {}  # key -> its index in the lists
+
+    def lend(self, key, param, value_of):
+        """The FP32 tensor lent for `key` (the row of `param`): the one still held, unless
+        `param` was written since it was made and it was not (a new one then: the row's value
+        now), else `value_of()` (a new tensor of the row's value), noted. Writes nothing but
+        these lists."""
+        index = self.position.get(key)
+        value = None if index is None else self.refs[index]()
+        mark = (param._version, param.data_ptr())
+        if value is not None and self.seen[index] != mark and value._version == self.versions[index]:
+            value = None  # made before a write from outside amp, and not written since
         if value is None:
-            table.sync_row(row)
-            value = table.value(row)
-            self[key] = [value, weakref.ref(value), value._version]
-            return value
-        if value._version != lent[_VERSION]:  # written through a state dict: the FP32 side wins
-            table.set_value(row, value)
-        else:  # a step, a load or a write to the weight since: the row's value now
-            table.sync_row(row)
-            with torch.no_grad():
-                value.copy_(table.value(row))
-        lent[_STRONG], lent[_VERSION] = value, value._version
+            value = value_of()
+            if index is None:
+                index = self.position[key] = len(self.keys)
+                for column in (self.keys, self.refs, self.versions, self.seen):
+                    column.append(None)
+                self.keys[index] = key
+            self.refs[index] = weakref.ref(value)
+            self.versions[index] = value._version
+            self.seen[index] = mark
+        self.strong[index] = value  # held until its writes are taken
         return value
 
-    def push_writes(self, table):
-        """Writes into the lent tensors reach their rows (before a step, a forward, an undo);
-        from then on the tensors are held only by whoever kept them."""
-        for lent, value, row in self._held(table):
-            if value._version != lent[_VERSION]:
-                table.set_value(row, value)
-                lent[_VERSION] = value._version
-            lent[_STRONG] = None
+    def pending(self, key):
+        """The tensor lent for `key` if it was written since amp last wrote or lent it, else
+        None (what the row's value is until the write is taken)."""
+        index = self.position.get(key)
+        value = None if index is None else self.refs[index]()
+        if value is not None and value._version != self.versions[index]:
+            return value
+        return None
 
-    def refresh(self, table, rows=None):
-        """A step (or a load of `rows`) wrote the rows: the lent tensors take their values."""
-        with torch.no_grad():
-            for lent, value, row in self._held(table):
-                if rows is None or row in rows:
-                    value.copy_(table.value(row))
-                    lent[_VERSION] = value._version
+    def _values(self):
+        return list(map(_CALL, self.refs))
 
-    def _held(self, table):
-        """(entry, tensor, row) of the lent tensors still held and of rows still there; the
-        others are forgotten."""
-        held = []
-        for key, lent in list(self.items()):
-            value, row = lent[_WEAK](), table.index.get(key)
+    def unchanged(self):
+        """True when every lent tensor is alive and unwritten (C-level compares)."""
+        values = self._values()
+        return all(map(_NOT_NONE, values, _NONES)) and list(map(_VERSION, values)) == self.versions
+
+    def written(self, rows_of):
+        """[(row, tensor)] of the lent tensors written since amp last wrote or lent them, for
+        rows still there (`rows_of`: id -> row); from then on every tensor is held only by whoever
+        kept it. Forgets the tensors no one holds."""
+        if self.unchanged():
+            self.strong = {}
+            return []
+        found, kept = [], []
+        for key, ref, version, seen in zip(self.keys, self.refs, self.versions, self.seen):
+            value, row = ref(), rows_of.get(key)
             if value is None or row is None:
-                del self[key]
-            else:
-                held.append((lent, value, row))
-        return held
+                continue
+            if value._version != version:
+                found.append((row, value))
+            kept.append((key, ref, value._version, seen))
+        self.keys = [key for key, _, _, _ in kept]
+        self.refs = [ref for _, ref, _, _ in kept]
+        self.versions = [version for _, _, version, _ in kept]
+        self.seen = [seen for _, _, _, seen in kept]
+        self.strong = {}
+        self.position = {key: index for index, key in enumerate(self.keys)}
+        return found
+
+    def refresh(self, rows_of, value_of, params, rows=None):
+        """The rows (all, or `rows`) were written by amp: their lent tensors take the values (of
+        `params`, the rows' parameters, as they are now)."""
+        with torch.no_grad():
+            for index, (key, ref) in enumerate(zip(self.keys, self.refs)):
+                value, row = ref(), rows_of.get(key)
+                if value is None or row is None or (rows is not None and row not in rows):
+                    continue
+                value.copy_(value_of(row))
+                self.versions[index] = value._version
+                self.seen[index] = (params[row]._version, params[row].data_ptr())

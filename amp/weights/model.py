@@ -15,15 +15,15 @@ from ..casting import fp32_modules
 from ..casting.cast_tree import CastInputs, CastOutputs
 from ..casting.casts import LOW_PRECISION
 from .buffers import BufferTable, held_exactly
-from .masters import compact_master, frozen_table, new_master
 from .model_state import FP32StateDict, LoadIntoCopies, MarkLoaded, ModelCopies, SyncBeforeForward
-from .table import find
+from .rows import FrozenRows
 
 __all__ = [
     "check_model",
     "check_hookable",
     "parameters_to_cast",
     "cast_model",
+    "frozen_rows",
     "release_exact",
     "cast_forward",
 ]
@@ -98,46 +98,44 @@ def _modules_to_cast(model, keep_batchnorm_fp32):
             yield module
 
 
-def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger, compact=False):
+def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
     """Cast the FP32 parameters and buffers of `model` to `dtype` (batch norm kept FP32 if asked).
 
-    Parameters keep their identity (their `.data` is swapped). Each cast parameter keeps its FP32
-    value when `keep_fp32_params` (O2): its master if an optimizer steps it, else an FP32 copy in
-    the table of frozen parameters (masters.frozen_table), so that frozen parameters keep their
-    FP32 values too (`compact`: a correction of the weight's rounding, no FP32 copy). Each cast buffer keeps its FP32 original in the model's buffer table
-    (buffers.py; release_exact releases the exact ones once initialize succeeded). Undo puts the
-    FP32 values back (O3 parameters, which have none, come back upcast). Returns the model's
-    ModelCopies (model_state.py).
+    Parameters keep their identity (their `.data` is swapped). With a master `form` (O2,
+    rows.MasterForm) each cast parameter keeps its FP32 value in a row: its optimizer's (made
+    already: the weight is that row's), else this initialize's frozen rows (frozen_rows), so that
+    frozen parameters keep their FP32 values too. Each cast buffer keeps its FP32 original in the
+    model's buffer table (buffers.py; release_exact releases the exact ones once initialize
+    succeeded). Undo puts the FP32 values back (O3 parameters, which have none, come back
+    upcast). Returns the model's ModelCopies (model_state.py).
     """
-    params = parameters_to_cast(model, keep_batchnorm_fp32)
-    if keep_fp32_params:
-        frozen = None
-        for param in params:
-            if find(param, amp_state.tables)[0] is None:
-                frozen = frozen or frozen_table(compact)
-                made = compact_master(param) if compact else (new_master(param), None)
-                frozen.add_master(param, *made)
+    # amp_state.cast_params: found before the optimizers' rows made some of them low precision
+    cast_ids = amp_state.cast_params
+    params = list({
+        id(p): p
+        for module in _modules_to_cast(model, keep_batchnorm_fp32)
+        for p in module._parameters.values()
+        if p is not None and id(p) in cast_ids
+    }.values())
     buffers, lows = BufferTable(), []
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.dtype is torch.float32:
                 lows.append(buffer.to(dtype))  # cast once: for the exact check and the model
                 buffers.add(module, name, buffer, exact=held_exactly(buffer, lows[-1]))
-    copies = ModelCopies(amp_state.tables, buffers)
+    copies = ModelCopies(params, buffers)
 
     def undo():
         copies.sync()
         with torch.no_grad():
             for param in params:
                 if param.dtype is not torch.float32:
-                    table, row = find(param, copies.tables)
-                    if table is None:
+                    rows, row = copies.find(param)
+                    if rows is None:
                         param.data = param.data.float()
-                    elif table.compact:  # decoded contiguous: the parameter's layout again
+                    else:  # in the parameter's own layout
                         value = torch.empty_like(param.data, dtype=torch.float32)
-                        param.data = value.copy_(table.value(row))
-                    else:
-                        param.data = table.value(row).data
+                        param.data = value.copy_(rows.value(row))
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
             for row, (module, name) in enumerate(buffers.places):
@@ -149,19 +147,35 @@ def cast_model(model, dtype, keep_batchnorm_fp32, keep_fp32_params, ledger, comp
     ledger.add_undo(f"FP32 weights back into {type(model).__name__}", undo)
     with torch.no_grad():
         for param in params:
-            param.data = param.data.to(dtype)
+            rows = amp_state.owners.get(id(param))
+            if param.dtype is not torch.float32:
+                pass  # its optimizer's row made its weight already
+            elif rows is not None or form is None:  # an FP32 master's copy, or O3's weight
+                param.data = param.data.to(dtype)
+            else:
+                low, rest = form.encode(param.detach().float())
+                param.data = low
+                frozen = frozen_rows(form)
+                frozen.add(param, rest)
+                amp_state.owners[id(param)] = frozen
             if param.grad is not None:
                 param.grad = param.grad.to(dtype)
+            if rows is not None:
+                rows.mark_row(rows.index[id(param)])
         for (module, name), low in zip(buffers.places, lows):
             module._buffers[name] = low
-    for param in params:
-        table, row = find(param, copies.tables)
-        if table is not None:
-            table.mark_row(row)
     buffers.mark_places()
     _flatten_rnns(model)
     _register_state_dict_hooks(model, copies, ledger)
     return copies
+
+
+def frozen_rows(form):
+    """The rows of this initialize's cast parameters that no optimizer steps (made once)."""
+    rows = amp_state.rows
+    if not rows or not isinstance(rows[-1], FrozenRows):
+        rows.append(FrozenRows(form))
+    return rows[-1]
 
 
 def release_exact(cast):

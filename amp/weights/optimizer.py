@@ -1,33 +1,31 @@
-"""The owner of an optimizer under amp: the record amp keeps per optimizer, whose methods do the
-work of the optimizer's step, zero_grad, add_param_group and (where torch's state-dict hooks do
-not run: optimizer_state.py) state dicts once instrument.py has put them on the optimizer.
+"""The record amp keeps per optimizer, whose methods do the work of the optimizer's step,
+zero_grad, add_param_group and (where torch's state-dict hooks do not run: optimizer_state.py)
+state dicts once paths.py has put them on the optimizer.
 
 The record is made of parts, each handed the data it needs and none holding the record:
-- the table (table.py): the parameters the optimizer steps, where they sit, and at O2 their FP32
-  masters with the marks of amp's own writes;
+- at O2 the owner of the optimizer's master weights and state (owner.py, which amp steps, or
+  copies.py, FP32 masters its own step steps), chosen by paths.py;
 - the gradient stash of scale_loss's blocks (grad_stash.py);
 - the reports of its skipped steps (skip.py);
-- at O2, the fused master step (fused_step.py) and, on the CuPy kernels, the deferred master
-  gradients (deferral.py).
-Each step's path (the fused step or the optimizer's own) and whether it is skipped are decided
-here, once, in `step`. scale_loss opens and closes its blocks through `open_block` /
-`close_block` / `drop_block`; a loss scaler asks `holds_scaled` before its scale changes.
+- where its parameters sit in the models (engines.Places).
+Each step's path and whether it is skipped are decided here, once, in `step`. scale_loss opens
+and closes its blocks through `open_block` / `close_block` / `drop_block`; a loss scaler asks
+`holds_scaled` before its scale changes.
 """
 
 import functools
-import types
 import operator
+import types
 
 import torch
 
 from .. import distributed
 from .._state import amp_state
-from ..properties import COMPACT
 from ..apex_interop.optimizer_wrappers import wrapped_optimizers
-from . import engines, masters, optimizer_state
-from .columns import GRAD, NONES, consume, repeat
-from .fused_step import FusedStep
+from . import engines, optimizer_state, paths
+from .copies import MasterCopies, new_master
 from .grad_stash import GradientStash
+from .owner import StateOwner
 from .skip import Skips
 
 __all__ = ["PATCHED_METHODS", "OptimizerRecord", "holds_scaled", "learn_skips", "replacement"]
@@ -35,33 +33,72 @@ __all__ = ["PATCHED_METHODS", "OptimizerRecord", "holds_scaled", "learn_skips", 
 # The optimizer methods amp replaces by the record's (not the state dicts where torch's hooks run)
 PATCHED_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "add_param_group")
 
-
 _LEARNED, _FOUND_VALUE = operator.attrgetter("learned"), operator.attrgetter("found_value")
+_PARAMS = operator.itemgetter("params")
 
 
 class OptimizerRecord:
     """amp's bookkeeping for one optimizer, and the one place its steps are decided."""
 
-    def __init__(self, optimizer, originals, table, fused, deferral, found_inf_on_device):
+    def __init__(self, optimizer, originals, owner, found_inf_on_device):
         self.optimizer = optimizer
         self.originals = originals  # the optimizer's own methods, called by the patched ones
-        self.table = table
-        self.stash = GradientStash(table)
+        self.owner = owner  # O2: StateOwner or MasterCopies; else None
+        self.stash = GradientStash(owner)
         self.skips = Skips()
+        self.places = engines.Places()
         self.pending = []  # the checks of its blocks since its last step (scale_loss's exit)
-        self.stepped_fused = False  # whether a fused step was taken (compact state exists)
-        self.fused = fused  # FusedStep at O2 for torch's AdamW/Adam/SGD, else None
-        self.deferral = deferral  # Deferral at O2 on the CuPy kernels, else None
-        # The next exit may keep the masters' gradients for the fused step (deferral.py): the
-        # last step took it, or was the optimizer's own that made the state it needs.
-        self.defers = False
-        self.found_inf_on_device = found_inf_on_device  # its step takes the overflow flag
+        self.found_inf_on_device = found_inf_on_device  # its own step takes the overflow flag
         self.inner = wrapped_optimizers(optimizer)  # the torch optimizers a wrapper holds
-        self.state_hooks = None  # optimizer_state.StateDictHooks where torch's hooks run
         # zero_grad(set_to_none=False) was called: a step keeps the master gradients (zeroed by
         # the next zero_grad), as torch keeps `.grad`, so that a parameter unused in a step is
         # still stepped with its zero gradient (momentum, moments, weight decay)
         self.keeps_grads = False
+        self._plain = (None, [])  # (the param groups' lengths, their parameters without a row)
+        self.sharded = False  # some parameters are DTensors (FSDP2): unscale their local shards
+
+    # -- the parameters ------------------------------------------------------------------------
+
+    def plain_params(self):
+        """The parameters of the groups with no row (kept while the groups' lengths stay)."""
+        groups = self.optimizer.param_groups
+        signature = tuple(map(len, map(_PARAMS, groups)))
+        cached_signature, params = self._plain
+        if signature != cached_signature:
+            owner = self.owner
+            if owner is None:
+                params = [p for group in groups for p in group["params"]]
+            else:
+                params = owner.plain(groups)
+            self._plain = (signature, params)
+            self.sharded = distributed.has_dtensors(params)
+        return params  # shared: callers do not modify it
+
+    def grad_holders(self):
+        """Every tensor whose `.grad` a backward of the optimizer's loss writes."""
+        plain = self.plain_params()
+        owner = self.owner
+        return plain + owner.params if owner is not None and owner.params else plain
+
+    def name_of(self, param):
+        """The qualified name of a parameter the optimizer steps (of a master: its model
+        parameter's; of a gradient's holder: its parameter's)."""
+        param = getattr(param, "param", param)
+        owner = self.owner
+        if isinstance(owner, MasterCopies):
+            model = owner.model_of(param)
+            param = param if model is None else model
+        return self.places.name_of(param, self.optimizer.param_groups)
+
+    def anchor(self, places):
+        """Remember where the parameters the optimizer steps sit in the models (`places`,
+        engines.py's): a step checks that they are still there."""
+        owner = self.owner
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if isinstance(owner, MasterCopies):
+            models = map(owner.model_of, params)
+            params = [p if model is None else model for p, model in zip(params, models)]
+        self.places.anchor(params, places)
 
     # -- scale_loss's blocks -------------------------------------------------------------------
 
@@ -76,11 +113,10 @@ class OptimizerRecord:
                 return theirs
         if self.skips.waiting:  # a skip whose results arrived since: reported now
             self._poll()
-        deferral = self.deferral
-        if deferral is not None and deferral.kept is not None:
-            deferral.materialize()  # gradients kept for the step join the accumulation
-        holders = self.table.grad_holders(self.optimizer.param_groups)
-        stash.enter(scaler, delay_unscale, inv_scale, identity, holders)
+        owner = self.owner
+        if owner is not None and (owner.kept is not None or owner._copies):
+            owner.open_block()  # the master gradients held for the step join the accumulation
+        stash.enter(scaler, delay_unscale, inv_scale, identity, self.grad_holders())
         return None
 
     def close_block(self, found_inf, check, unscaled=None):
@@ -88,17 +124,20 @@ class OptimizerRecord:
         `check` (or None, unchecked) decides whether the next step is skipped. `unscaled`: ids of
         parameters another optimizer of the same block unscaled already (they may share them
         without master weights), to which this one adds its own."""
-        plain = self.table.plain_params(self.optimizer.param_groups)
+        plain = self.plain_params()
         if unscaled is not None:
             plain = [param for param in plain if id(param) not in unscaled]
             unscaled.update(map(id, plain))
-        self.stash.commit(found_inf, plain, self.deferral if self.defers else None)
+        self.stash.commit(found_inf, plain, self.sharded)
+        owner = self.owner
+        if owner is not None and owner._handed_weak and not self.stash.frames:
+            owner.exited()
         if check is not None:
             self.pending.append(check)
 
     def drop_block(self):
         """The block raised: the gradients are as they were when it opened."""
-        self.stash.discard(self.table.grad_holders(self.optimizer.param_groups))
+        self.stash.discard(self.grad_holders())
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -109,9 +148,9 @@ class OptimizerRecord:
                 "inside `with amp.scale_loss(loss, optimizer)` and then optimizer.step() with no "
                 "closure."
             )
-        table, stash = self.table, self.stash
-        if not table.in_place():  # a parameter replaced since initialize is refused
-            engines.check_places(table, "optimizer.step()")
+        stash = self.stash
+        if not self.places.in_place():  # a parameter replaced since initialize is refused
+            engines.check_places(self.places, "optimizer.step()")
         if stash.frames:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`; the gradients "
@@ -126,89 +165,74 @@ class OptimizerRecord:
             )
         if self.skips.waiting:  # earlier skips the device decided on, whose results may be here
             self._poll(wait=distributed.is_distributed())
-        deferral = self.deferral
-        kept = None if deferral is None else deferral.kept
-        if table.models:  # O2: the masters take what reached the model around amp
-            table.take_outside_writes()
-            if not all(map(operator.is_, map(GRAD, table.models), NONES)):
-                if kept is not None:  # gradients from a backward outside scale_loss join them
-                    deferral.materialize()
-                    kept = None
-                stash.adopt_model_grads()
-        optimizer = self.optimizer
-        fused = self.fused
-        # The path, decided once: amp's fused step where it applies, else the optimizer's own.
-        # A plan over compact state makes a first step's state: only for a step known taken.
-        planned = fused is None or fused.form is None
-        plan = None if fused is None or not planned else fused.plan(optimizer, table, kept)
+        owner = self.owner
+        if owner is not None:  # O2: the rows take what reached the model around amp
+            owner.take_writes()
+            stash.adopt_model_grads()
+        fused = isinstance(owner, StateOwner)
         checks, found, known = self.pending, None, True
         if checks:
             self.pending = []
             watch = amp_state.origin_watch
             if watch.armed:  # a watched step (the one after a skip) ends: its origin is found
                 watch.settle(self.skips, checks)
-            if not planned and not self.stepped_fused:
-                for check in checks:
-                    check.arrived(wait=True)
             if all(map(_LEARNED, checks)):  # the host knows, at no cost (always on the CPU)
                 overflowed = list(filter(_FOUND_VALUE, checks))
             else:
-                if not planned:
-                    plan, planned = fused.plan(optimizer, table, kept), True
-                on_device = plan is not None or self.found_inf_on_device
+                on_device = fused or self.found_inf_on_device
                 overflowed, found, known = _decide(checks, on_device)
             if overflowed:
-                self._skip(checks, kept)
+                self._skip(checks)
                 return None
-        if not planned:
-            plan = fused.plan(optimizer, table, kept)
-        self.defers = plan is not None or (self.fused is not None and self.fused.stateless)
-        if plan is not None:
-            fused.run(optimizer, plan, found)
-            self.stepped_fused = True
-            if kept is not None:
-                deferral.take()
-            table.models_written(not self.keeps_grads)
+        if fused:
+            late = []
+
+            def learn():  # the state a first step makes waits for the step to be known taken
+                for check in checks:
+                    check.arrived(wait=True)
+                late.extend(filter(_FOUND_VALUE, checks))
+                return bool(late)
+
+            owner.step(found, learn)
+            if late:
+                self._skip(checks)
+                return None
+            owner.drop_grads(zero=self.keeps_grads)
             self._note_stepped()
             self._stepped(checks, known)
             return None
-        if kept is not None:
-            deferral.materialize()
         # Optimizer arithmetic is never cast: casting.autocast.policy_scope(None), inlined (it
         # runs every step, and a generator context manager's machinery is Python calls).
         thread = amp_state.thread
         saved = thread.policy
         thread.policy = None
         if found is not None:
-            optimizer.found_inf = found  # torch's fused optimizers read it (grads are unscaled)
+            self.optimizer.found_inf = found  # torch's fused optimizers read it (grads unscaled)
         try:
             result = self.originals["step"]()
         finally:
             thread.policy = saved
             if found is not None:
-                del optimizer.found_inf
-        if table.models:
-            table.write_models(not self.keeps_grads)
+                del self.optimizer.found_inf
+        if owner is not None:
+            owner.write_models()
+            owner.drop_grads(zero=self.keeps_grads)
         self._stepped(checks, known)
         return result
 
-    def _skip(self, checks, kept):
-        """Skip this step: report it, and drop the master gradients (kept or FP32)."""
-        table, groups = self.table, self.optimizer.param_groups
-        name_of = functools.partial(table.name_of, groups=groups)
-        deferred = ()
-        if kept is not None:  # low precision: their check knows which held inf/NaN
-            deferred = tuple(map(name_of, kept.nonfinite_models()))
-            self.deferral.take()  # before the masters' `.grad` are read (and made)
-        names = distributed.nonfinite_names(table.plain_params(groups) + table.masters, name_of)
-        if self.keeps_grads:  # as a zero_grad(set_to_none=False) would leave them
-            for master in table.masters:
-                if master.grad is not None:
-                    master.grad.zero_()
-        else:
-            consume(map(setattr, table.masters, repeat("grad"), NONES))
+    def _skip(self, checks):
+        """Skip this step: report it, and drop the master gradients."""
+        owner = self.owner
+        held = self.plain_params()
+        if isinstance(owner, StateOwner):
+            held = held + [_GradOf(param, grad) for param, grad in owner.held_grads()]
+        elif owner is not None:
+            held = held + owner.masters
+        names = distributed.nonfinite_names(held, self.name_of)
+        if owner is not None:
+            owner.drop_grads(zero=self.keeps_grads)
         self._note_stepped()
-        self.skips.skipped(checks, names + deferred)
+        self.skips.skipped(checks, names)
 
     def _stepped(self, checks, known):
         if amp_state.cast_cache.filled:
@@ -227,39 +251,35 @@ class OptimizerRecord:
                 inner._opt_called = True
 
     def _poll(self, wait=False):
-        groups = self.optimizer.param_groups
-        table = self.table
-        name_of = functools.partial(table.name_of, groups=groups)
-        self.skips.poll(table.plain_params(groups), name_of, wait)
+        self.skips.poll(self.plain_params(), self.name_of, wait)
 
-    def anchor(self, places):
-        """Remember where the parameters the optimizer steps sit in the models (`places`,
-        engines.py's): a step checks that they are still there."""
-        table = self.table
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        held = [p if m is None else m for p, m in zip(params, table.models_of(params))]
-        table.anchor(held, places)
-
-    def expose_masters(self):
-        """amp.master_params(): the masters as the user sees them, outside writes taken in (a
-        kept gradient is made FP32 when something reads it: deferral.py)."""
-        self.table.take_outside_writes()
+    def master_params(self):
+        """amp.master_params(): the parameters the optimizer steps, FP32 (an owner's masters, with
+        their FP32 gradients)."""
+        owner = self.owner
+        if owner is None:
+            return [p for group in self.optimizer.param_groups for p in group["params"]]
+        with amp_state.lock:  # a reader in another thread and the step: one at a time
+            return owner.master_params()
 
     # -- the rest of the optimizer API --------------------------------------------------------
 
     def state_dict(self):
         """Where the optimizer's state dicts run no torch hooks: its own, with the masters."""
         state = self.originals["state_dict"]()
-        return optimizer_state.saved(self.optimizer, self.table, state)
+        return state if self.owner is None else optimizer_state.saved(
+            self.optimizer, self.owner, state
+        )
 
     def load_state_dict(self, state_dict):
-        """Where they run no torch hooks: the masters checked, the optimizer's own load, the
+        """Where they run no torch hooks: checked and converted, the optimizer's own load, the
         masters written."""
-        state_dict, pending = optimizer_state.loading(
-            self.optimizer, self.table, state_dict, self.fused
-        )
+        if self.owner is None:
+            self.originals["load_state_dict"](state_dict)
+            return
+        state_dict, pending = optimizer_state.loading(self.optimizer, self.owner, state_dict)
         self.originals["load_state_dict"](state_dict)
-        optimizer_state.loaded(self.optimizer, self.table, *pending)
+        optimizer_state.loaded(self.optimizer, self.owner, pending)
 
     def zero_grad(self, *args, **kwargs):
         if self.skips.waiting:  # a skip that arrived is reported while its gradients are there
@@ -267,23 +287,22 @@ class OptimizerRecord:
         to_none = not (args or kwargs) or kwargs.get("set_to_none", args[0] if args else True)
         if not to_none:
             self.keeps_grads = True
-        deferral = self.deferral
-        if deferral is not None and deferral.kept is not None:
-            if to_none:  # before torch's zero_grad reads (and would make) them
-                deferral.take()
-            else:  # zeroed FP32 gradients, which a step then steps with, as on the general path
-                deferral.materialize()
+        owner = self.owner
+        if owner is not None:
+            owner.drop_grads(zero=not to_none)
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
-        models = self.table.models
-        if to_none:
-            if models and not all(map(operator.is_, map(GRAD, models), NONES)):
-                consume(map(setattr, models, repeat("grad"), NONES))
-        else:
-            for model_param in models:
-                if model_param.grad is not None:
-                    model_param.grad.detach_()
-                    model_param.grad.zero_()
+        if isinstance(owner, MasterCopies):
+            models = owner.params
+            if to_none:
+                consume_grads = [p for p in models if p.grad is not None]
+                for param in consume_grads:
+                    param.grad = None
+            else:
+                for param in models:
+                    if param.grad is not None:
+                        param.grad.detach_()
+                        param.grad.zero_()
         stash = self.stash
         if stash.kept or stash.scaled_by is not None or stash.frames:
             stash.reset()
@@ -302,48 +321,66 @@ class OptimizerRecord:
             )
         else:
             params = list(params) if params is not None else params
-        new_rows = []
-        properties = amp_state.properties
-        if properties.master_weights:
-            for i, param in enumerate(params or ()):
-                if id(param) in amp_state.cast_params:
-                    made = masters.master_for(param, self.table.compact)
-                    if made is None:  # an optimizer steps it already, through its master
-                        raise ValueError(self._stepped_already(param))
-                    new_rows.append((param, *made))
-                    params[i] = made[0]
         group = dict(param_group, params=params)
+        owner = self.owner
+        joining = []
+        if owner is not None:
+            for param in params or ():
+                rows = amp_state.owners.get(id(param))
+                if rows is not None and rows is not owner and not hasattr(rows, "optimizer"):
+                    joining.append((param, rows))  # a frozen cast parameter joins
+                elif rows is not None:
+                    raise ValueError(self._stepped_already(param, rows is owner))
+            if joining and isinstance(owner, StateOwner):  # the fused step steps every group
+                where = "optimizer.add_param_group"
+                with_defaults = {**self.optimizer.defaults, **group}  # as torch will fill it
+                path, reason = paths.choose(
+                    self.optimizer, with_defaults, amp_state.properties, where, owner.kind
+                )
+                if path != paths.FUSED:
+                    raise ValueError(
+                        f"{where}: the new group is one amp's fused step cannot step "
+                        f"({reason}), and it steps this {type(self.optimizer).__name__}'s other "
+                        "groups: an optimizer's groups share one path. Give it options the "
+                        "fused step computes, or pass every group to amp.initialize (an "
+                        "optimizer with such a group is then stepped by its own step)."
+                    )
+        masters = {}
+        if isinstance(owner, MasterCopies):
+            for position, (param, _) in enumerate(joining):
+                masters[id(param)] = master = new_master(param)
+                group["params"][group["params"].index(param)] = master
         self.originals["add_param_group"](group)
-        for param, master, correction in new_rows:
-            master.requires_grad_(param.requires_grad)
-            masters.join(self.table, param, master, correction)
-        if new_rows and self.fused is None:
-            self.fused = FusedStep.made_for(
-                self.optimizer,
-                self.originals["step"],
-                properties.master_weights == COMPACT,
-                properties.optimizer_state,
-            )
-            if self.state_hooks is not None:
-                self.state_hooks.fused = self.fused
-        self.table.forget_groups()
+        for param, frozen in joining:
+            rest = frozen.pop(param)
+            if isinstance(owner, StateOwner):
+                owner.add(param, rest)
+            else:
+                master = masters[id(param)]
+                master.data = frozen.form.decode(param.detach(), rest).float()
+                master.requires_grad_(param.requires_grad)
+                owner.add(param, master)
+        self._plain = (None, [])
         engines.anchor([self], amp_state.models)
 
-    def _stepped_already(self, param):
-        """add_param_group's error for a cast parameter an optimizer steps (as its master)."""
-        if id(param) in self.table.index:  # torch's words: it would see the master only
+    def _stepped_already(self, param, here):
+        """add_param_group's error for a cast parameter an optimizer steps."""
+        if here:  # torch's words
             return "some parameters appear in more than one parameter group"
         return (
             "optimizer.add_param_group: the parameter is stepped by another optimizer passed to "
-            "amp.initialize (as its FP32 master at O2); amp unscales and steps each parameter "
-            "through one optimizer. Add it to that optimizer, or leave it out here."
+            "amp.initialize (with its master weight at O2); amp unscales and steps each "
+            "parameter through one optimizer. Add it to that optimizer, or leave it out here."
         )
 
-    def give_back(self):
-        """Undo of master creation: the optimizer steps the model's own parameters again."""
-        if self.deferral is not None and self.deferral.kept is not None:
-            self.deferral.materialize()  # an FP32 model parameter takes its master's gradient
-        masters.give_back(self.optimizer, self.table)
+
+class _GradOf:
+    """A gradient's holder for a skip's report: the parameter it is of, and the gradient."""
+
+    __slots__ = ("param", "grad")
+
+    def __init__(self, param, grad):
+        self.param, self.grad = param, grad
 
 
 def _decide(checks, on_device):

@@ -1,4 +1,19 @@
-"""Optimizer state dicts that carry the O2 master weights, loaded validate-then-commit.
+"""Optimizer state dicts at O2, loaded validate-then-commit.
+
+On the fused path (owner.py) the state dict is the optimizer's own: each parameter's entry holds
+its master's rest (`master_remainder`, `master_correction` or, for fp16 models, `master`), its
+moments in their form and its step. On the general path (copies.py) each master's FP32 value is
+added to its entry under `master` (the masters are no model parameters: torch's state dict does
+not hold their values). An entry's rest is the rest of the model's weight, so a checkpoint is
+loaded model first, then optimizer (as torch's distributed checkpoint's `set_state_dict` does).
+
+Saving only reads: a row whose weight was written from outside amp since its last step saves the
+rest that write left (none), not the live one. A load converts each entry to this run's form
+(another form's rest is decoded with the model's weight and encoded in this one; moments of any
+form; older amp's top-level `amp_master_params`), checks the shapes, then lets the optimizer's
+own load run and puts the converted tensors in place (torch's load casts every state tensor to
+its parameter's dtype, int16 remainders and FP32 moments of bf16 parameters too). A checkpoint
+without masters (a plain torch one) keeps the masters as they are. Nothing changes on an error.
 
 On a torch optimizer whose class keeps Optimizer's own state_dict and load_state_dict, torch's
 state-dict hooks do it (`StateDictHooks`); on a wrapper (apex's LARC) or a class with its own
@@ -8,24 +23,30 @@ state-dict hooks do it (`StateDictHooks`); on a wrapper (apex's LARC) or a class
 
 import torch
 
-from .. import kernels
 from .._state import amp_state
-from .compact_state import Form
-from .masters import master_indices
+from .copies import MasterCopies
+from .forms import check_entry, torch_entry
+from .rows import FP32, MasterForm
 from .snapshot import OptimizerSnapshot
 
 __all__ = [
     "MASTER_PARAMS_KEY",
     "takes_hooks",
+    "in_torch_form",
     "StateDictHooks",
     "saved",
     "loading",
     "loaded",
-    "check_masters",
-    "check_moments",
 ]
 
-MASTER_PARAMS_KEY = "amp_master_params"
+MASTER_PARAMS_KEY = "amp_master_params"  # older amp's masters, {index: FP32 or int8}: loaded
+_REST_KEYS = tuple(MasterForm.KEYS.values())
+_DECODERS = {key: MasterForm(name, torch.bfloat16) for name, key in MasterForm.KEYS.items()}
+
+
+def in_torch_form(entry, param):
+    """A state entry of any form (a checkpoint of the fused path) in torch's format for `param`."""
+    return torch_entry(entry, param.dtype)
 
 
 def takes_hooks(optimizer):
@@ -40,12 +61,11 @@ def takes_hooks(optimizer):
 
 
 class StateDictHooks:
-    """torch's state-dict hooks of one optimizer (`register` below): the masters of `table` in
-    its state dicts, its state in `fused`'s form (fused_step.FusedStep, or None)."""
+    """torch's state-dict hooks of one optimizer (`register` below), for its `owner`."""
 
-    def __init__(self, table, fused):
-        self.table, self.fused = table, fused
-        self.pending = None  # (masters to write, the state before) between the load's hooks
+    def __init__(self, owner):
+        self.owner = owner
+        self.pending = None  # what a load's post-hook puts in place
 
     def register(self, optimizer):
         """The hooks' handles (for amp's ledger to remove)."""
@@ -56,173 +76,181 @@ class StateDictHooks:
         )
 
     def saved(self, optimizer, state):
-        return saved(optimizer, self.table, state)
+        return saved(optimizer, self.owner, state)
 
     def loading(self, optimizer, state_dict):
-        state_dict, self.pending = loading(optimizer, self.table, state_dict, self.fused)
+        state_dict, self.pending = loading(optimizer, self.owner, state_dict)
         return state_dict
 
     def loaded(self, optimizer):
         pending, self.pending = self.pending, None
-        loaded(optimizer, self.table, *pending)
+        loaded(optimizer, self.owner, pending)
 
 
-def saved(optimizer, table, state):
-    """The optimizer's own state dict `state`, with the masters of `table`: FP32, or compact
-    masters' int8 corrections (compact on disk: the weights are the model's)."""
-    if table.models:
-        # A write into the model since the last step (a mask, a broadcast) is the masters' value
-        # from then on; a checkpoint serialized before anything else looked must hold it.
-        table.take_outside_writes()
-        held = table.corrections if table.compact else table.masters
-        state[MASTER_PARAMS_KEY] = {
-            index: held[row].detach()
-            for index, (row, _) in master_indices(optimizer.param_groups, table).items()
-        }
+def _params(optimizer):
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def saved(optimizer, owner, state):
+    """The optimizer's own state dict `state` with the masters (see the module doc); the live
+    state is not touched."""
+    entries = state["state"]
+    general = isinstance(owner, MasterCopies)
+    for index, param in enumerate(_params(optimizer)):
+        row = (owner.master_index if general else owner.index).get(id(param))
+        if row is None:
+            continue
+        if general:
+            entries[index] = dict(entries.get(index, {}), master=owner.value(row).detach())
+        else:  # as its value has it now (a write not yet taken in included)
+            entries[index] = dict(entries[index], **{owner.form.key: owner.saved_rest(row)})
     return state
 
 
-def _form(fused):
-    """The form the optimizer's state is kept in: the fused step's, torch's FP32 one for a step
-    it knows (a checkpoint of compact state converts), or None."""
-    if fused is None:
-        return None
-    return fused.form if fused.form is not None else Form(fused.kind, False, "fp32")
-
-
-def loading(optimizer, table, state_dict, fused=None):
-    """Before the optimizer's own load: (the state dict without the masters, its state entries
-    in this run's form, (the masters to write after it, the optimizer's state before)), or a
-    clear error, changing nothing.
-
-    A checkpoint without the masters key (a plain FP32 one) loads: the masters keep the values
-    they have (the model's, after `model.load_state_dict`). With the key, it must hold a master
-    for every master here: a partial set would leave some at values from another run. FP32
-    masters load into compact ones (encoded) and compact ones into FP32 ones (decoded with the
-    model's weights: load the model first), as state of either form does.
-    """
-    plan = []
-    if hasattr(state_dict, "get") and MASTER_PARAMS_KEY in state_dict:
-        plan = check_masters(optimizer, table, state_dict[MASTER_PARAMS_KEY])
-        state_dict = {k: v for k, v in state_dict.items() if k != MASTER_PARAMS_KEY}
-    form = _form(fused)
-    if form is not None and isinstance(state_dict.get("state"), dict):
-        entries = state_dict["state"].items()
-        state_dict = dict(state_dict, state={k: form.from_torch(v) for k, v in entries})
-        check_moments(optimizer, state_dict, form)
-    return state_dict, (plan, OptimizerSnapshot(optimizer), form)
-
-
-def check_moments(optimizer, state_dict, form):
-    """A clear error where a moment has another size than its parameter (a checkpoint of
-    another model): torch's fused ops, which amp's step calls, do not check it, and would read
-    past the moment's end or step a prefix of it. Changes nothing."""
-    saved = [index for group in state_dict.get("param_groups", ()) for index in group["params"]]
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    if len(saved) != len(params):
-        return  # torch's load refuses it: "... a different number of parameters ..."
-    param_of = dict(zip(saved, params))
-    for index, entry in state_dict["state"].items():
-        param = param_of.get(index)
-        if param is None or not isinstance(entry, dict):
+def loading(optimizer, owner, state_dict):
+    """Before the optimizer's own load: (the state dict to load, what `loaded` puts in place), or
+    a clear error, changing nothing."""
+    if not hasattr(state_dict, "get") or not isinstance(state_dict.get("state"), dict):
+        return state_dict, None  # torch's load says what is wrong
+    state_dict = dict(state_dict)
+    entries = dict(state_dict["state"])
+    if MASTER_PARAMS_KEY in state_dict:
+        _merge_older(entries, state_dict.pop(MASTER_PARAMS_KEY))
+    params = _params(optimizer)
+    saved_count = sum(len(group["params"]) for group in state_dict.get("param_groups", ()))
+    if saved_count != len(params):
+        state_dict["state"] = entries
+        return state_dict, None  # torch's load refuses it: "... a different number of ..."
+    owner.take_writes()  # a write not yet taken in is not lost to the load
+    general = isinstance(owner, MasterCopies)
+    rows_of = owner.master_index if general else owner.index
+    with_rest = {i for i, entry in entries.items() if _rest_key(entry) is not None}
+    cast = {i for i, param in enumerate(params) if id(param) in rows_of}
+    if with_rest and cast - with_rest:
+        raise ValueError(
+            "optimizer.load_state_dict: the checkpoint holds the master weights of parameters "
+            f"{sorted(with_rest & cast)} but lacks those of {sorted(cast - with_rest)}: they "
+            "would keep this run's values. Load a checkpoint saved by an optimizer set up the same "
+            "way, or one without masters (they then keep the model's values)."
+        )
+    converted, writes = {}, []
+    for index, entry in entries.items():
+        if not (isinstance(index, int) and 0 <= index < len(params)):
+            raise ValueError(
+                f"optimizer.load_state_dict: the checkpoint holds state for parameter {index!r}, "
+                f"and this optimizer has {len(params)} parameters: the checkpoint is of another "
+                "model. Load one saved by an optimizer over this model's parameters."
+            )
+        if not isinstance(entry, dict):
             continue
-        for moment, _ in form.moments:
-            keys = form.keys(moment)
-            value, scales = entry.get(keys[0]), entry.get(keys[-1]) if len(keys) == 2 else None
-            wrong = isinstance(value, torch.Tensor) and value.shape != param.shape
-            if isinstance(scales, torch.Tensor):
-                wrong = wrong or scales.numel() != kernels.moment_scales(param.numel())
-            if wrong:
-                raise ValueError(
-                    f"optimizer.load_state_dict: the {moment} of parameter {index} has shape "
-                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else None}"
-                    + (f" and {scales.numel()} block scales" if scales is not None else "")
-                    + f", and the parameter shape {tuple(param.shape)}: the checkpoint is of "
-                    "another model. Load one saved by an optimizer over this model's parameters."
-                )
+        param = params[index]
+        row = rows_of.get(id(param))
+        key = _rest_key(entry)
+        if key is not None and row is None:
+            raise ValueError(
+                f"optimizer.load_state_dict: the checkpoint holds a master weight ({key}) for "
+                f"parameter {index}, which is not an O2 master here (this optimizer has masters "
+                f"for {sorted(cast)}). Load it into an optimizer set up the same way."
+            )
+        if key is not None:
+            _check_rest(entry[key], param, index, key)
+        check_entry(entry, param, index)
+        if general:
+            if row is not None and key is not None:
+                low = owner.params[row].detach()  # the weight beside the master it replaces
+                writes.append((row, _DECODERS[key].decode(low, entry[key].to(_rest_dtype(key)))))
+            entries[index] = converted[index] = torch_entry(entry, param.dtype)
+            continue
+        form = owner.state_form
+        in_form = form.in_form(param, row is not None)
+        entry = dict(entry)
+        if key is not None:
+            entry[key] = entry[key].to(_rest_dtype(key))
+        new = form.from_torch(entry, param, in_form, low=param.detach() if row is not None else None)
+        if row is not None and form.master.key not in new:  # no masters: they stay as they are
+            new[form.master.key] = owner.rest(row)
+        entries[index] = converted[index] = new
+    state_dict["state"] = entries
+    return state_dict, (converted, writes, OptimizerSnapshot(optimizer))
 
 
-def loaded(optimizer, table, plan, before, form=None):
-    """After the optimizer's own load: the masters written (on an error the optimizer's state
-    before comes back) and marked, with the model's weights; the moments in their form's dtypes
-    again (torch's load casts every state tensor to its parameter's dtype)."""
-    if plan:
-        try:
-            with torch.no_grad():
-                for value, row in plan:
-                    _write_master(table, row, value)
-        except BaseException:  # what check_masters could not foresee: the old state stays
-            before.restore()
-            raise
-        if not table.compact:
-            with torch.no_grad():
-                rows = [row for _, row in plan]
-                models = [table.models[row] for row in rows]
-                kernels.copy_([table.masters[row] for row in rows], models)
-        table.mark()
-    if form is not None and form.state != "fp32":
-        for entry in optimizer.state.values():
-            form.dtypes_restored(entry)
-    table.forget_groups()
+def loaded(optimizer, owner, pending):
+    """After the optimizer's own load: the converted tensors in place, the masters written, the
+    rows marked (on an error the optimizer's state before comes back)."""
+    if pending is None:
+        return
+    converted, writes, before = pending
+    try:
+        params = _params(optimizer)
+        state = optimizer.state
+        with torch.no_grad():
+            for index, entry in converted.items():
+                live = state[params[index]]
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        live[key] = value.to(params[index].device)
+            for row, value in writes:
+                owner.set_value(row, value)
+    except BaseException:  # what the checks could not foresee: the old state stays
+        before.restore()
+        raise
+    owner.mark()
+    owner.refresh()
     amp_state.cast_cache.clear()
 
 
-def _write_master(table, row, value):
-    """A checkpoint's master into `row`: FP32 values, or a compact master's int8 correction."""
-    compact_value = value.dtype is torch.int8
-    if table.compact and compact_value:
-        table.corrections[row].copy_(value)
-    elif table.compact:
-        table.set_value(row, value)
-    elif compact_value:
-        table.masters[row].copy_(kernels.compact_decode(table.models[row].detach(), value))
-    else:
-        table.masters[row].copy_(value)
-
-
-def check_masters(optimizer, table, masters):
-    """[(value, table row)] to write, or a clear error; changes nothing."""
-    here = master_indices(optimizer.param_groups, table)
+def _merge_older(entries, masters):
+    """Older amp's top-level masters ({index: FP32 master or int8 correction}) into entries."""
     if not isinstance(masters, dict):
         raise TypeError(
             f"optimizer.load_state_dict: {MASTER_PARAMS_KEY!r} must map parameter indices "
             f"to tensors; got {type(masters).__name__}. Drop the key to keep the current master "
             "weights (they follow the model's weights)."
         )
-    plan = []
     for index, value in masters.items():
-        if index not in here:
+        if not isinstance(value, torch.Tensor):
             raise ValueError(
-                f"optimizer.load_state_dict: the checkpoint has an FP32 master weight for "
-                f"parameter {index!r}, which is not an O2 master here (this optimizer has "
-                f"masters for {sorted(here)}). Load it into an optimizer set up the same way."
+                f"optimizer.load_state_dict: master weight {index} is a {type(value).__name__}, "
+                "not a tensor."
             )
-        row, master = here[index]
-        if not isinstance(value, torch.Tensor) or value.shape != master.shape:
-            raise ValueError(
-                f"optimizer.load_state_dict: master weight {index} has shape "
-                f"{getattr(value, 'shape', type(value).__name__)}, expected "
-                f"{tuple(master.shape)}."
-            )
-        if not (value.is_floating_point() or value.dtype is torch.int8):
-            raise ValueError(
-                f"optimizer.load_state_dict: master weight {index} is {value.dtype}: neither "
-                "floating (an FP32 master) nor int8 (a compact master's correction)."
-            )
-        if value.layout is not torch.strided or value.is_meta:
-            # Caught here, before torch's load replaces the state: copy_ would fail after it.
-            kind = "a meta tensor (no data)" if value.is_meta else f"a {value.layout} tensor"
-            raise ValueError(
-                f"optimizer.load_state_dict: master weight {index} is {kind}; the FP32 master "
-                "weights load from dense tensors with data (as optimizer.state_dict() saves them)."
-            )
-        plan.append((value, row))
-    missing = sorted(set(here) - set(masters))
-    if missing:
+        key = MasterForm.KEYS["correction" if value.dtype is torch.int8 else FP32]
+        entries[index] = dict(entries.get(index, {}), **{key: value})
+
+
+def _rest_key(entry):
+    if not isinstance(entry, dict):
+        return None
+    return next((key for key in _REST_KEYS if key in entry), None)
+
+
+def _rest_dtype(key):
+    return next(form.rest_dtype for form in _DECODERS.values() if form.key == key)
+
+
+def _check_rest(value, param, index, key):
+    """A clear error for a master's rest that cannot be this parameter's, before anything
+    changes (copy_ would fail after torch's load replaced the state)."""
+    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
         raise ValueError(
-            f"optimizer.load_state_dict: the checkpoint's {MASTER_PARAMS_KEY!r} lacks the "
-            f"master weights of parameters {missing} (it has {sorted(masters)}); they would keep "
-            "this run's values. Load a checkpoint saved by an optimizer set up the same way, or "
-            f"drop the {MASTER_PARAMS_KEY!r} key to take the masters from the model."
+            f"optimizer.load_state_dict: the master weight ({key}) of parameter {index} has "
+            f"shape {getattr(value, 'shape', type(value).__name__)}, expected "
+            f"{tuple(param.shape)}."
         )
-    return plan
+    if value.layout is not torch.strided or value.is_meta:
+        kind = "a meta tensor (no data)" if value.is_meta else f"a {value.layout} tensor"
+        raise ValueError(
+            f"optimizer.load_state_dict: the master weight ({key}) of parameter {index} is "
+            f"{kind}; masters load from dense tensors with data (as optimizer.state_dict() "
+            "saves them)."
+        )
+    if not (value.is_floating_point() or value.dtype in (torch.int8, torch.int16)):
+        raise ValueError(
+            f"optimizer.load_state_dict: the master weight ({key}) of parameter {index} is "
+            f"{value.dtype}: neither floating nor an int8 correction nor an int16 remainder."
+        )
+    if key != MasterForm.KEYS[FP32] and param.dtype is not torch.bfloat16:
+        raise ValueError(
+            f"optimizer.load_state_dict: the master weight of parameter {index} is the {key} of "
+            f"a bf16 weight, and this parameter is {param.dtype}. Load the model's FP32 state "
+            "dict, and the optimizer's without its masters (they then follow the model)."
+        )

@@ -11,6 +11,7 @@ import amp
 from helpers import DTYPES, OPT_LEVELS
 from helpers.larc_like import TrustRatio
 from helpers.models import loss_of, make_model
+from helpers.state import saved_masters
 
 
 class NoStep:
@@ -117,7 +118,7 @@ def test_a_larc_style_wrapper_trains_at_every_level(opt_level, dtype):
         else:
             torch.testing.assert_close(got, ref, rtol=0.05, atol=0.02)
         assert not torch.allclose(got, plain.state_dict()[key], atol=0.02), key
-    assert ("amp_master_params" in optimizer_state) is (opt_level == "O2")
+    assert bool(saved_masters(optimizer_state)) is (opt_level == "O2")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -132,9 +133,9 @@ def test_a_wrapper_step_after_overflow_is_skipped_and_changes_nothing(opt_level,
         assert torch.equal(
             state["momentum_buffer"], optimizer_after["state"][index]["momentum_buffer"]
         )
-    masters_before = optimizer_before.get("amp_master_params", {})
-    for index, master in masters_before.items():
-        assert torch.equal(master, optimizer_after["amp_master_params"][index])
+    masters_after = saved_masters(optimizer_after)
+    for index, master in saved_masters(optimizer_before).items():
+        assert torch.equal(master, masters_after[index])
 
 
 def test_a_wrapper_at_o2_steps_the_masters_and_round_trips_its_state_dict():
@@ -156,7 +157,7 @@ def test_a_wrapper_at_o2_steps_the_masters_and_round_trips_its_state_dict():
             scaled.backward()
         optimizer.step()
         optimizer.load_state_dict(saved)
-        for master, value in zip(masters, saved["amp_master_params"].values()):
+        for master, value in zip(masters, saved_masters(saved).values(), strict=True):
             assert torch.equal(master, value)
     finally:
         amp.deinitialize()

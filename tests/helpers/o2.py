@@ -1,5 +1,5 @@
 """O2 set-ups for the tests of masters, shadows and optimizer checkpoints: a 4-4-4 model, a step
-from a seeded batch, the masters as the optimizer holds them (read without any amp call)."""
+from a seeded batch, the masters' values as their owner holds them."""
 
 import io
 import os
@@ -38,8 +38,16 @@ def train_step(model, optimizer, seed=1, scale=1.0):
 
 
 def optimizer_params(optimizer):
-    """The masters as the optimizer holds them, read without any amp call."""
-    return [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+    """The masters' FP32 values as the optimizer's owner holds them, read without a step or an
+    amp.master_params (its rows' own reads, which write nothing)."""
+    owner = vars(optimizer)["_amp_record"].owner
+    values = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            row = owner.index.get(id(param)) if hasattr(owner, "state_form") else None
+            value = param if row is None else owner.value(row)
+            values.append(value.detach().clone())
+    return values
 
 
 def saved(state):

@@ -31,12 +31,22 @@ def assert_same(before, after):
         ), key
     assert amp_a == amp_b
     assert opt_a["param_groups"] == opt_b["param_groups"]
-    for index, state in opt_a["state"].items():
+    assert opt_a["state"].keys() == opt_b["state"].keys()
+    for index, state in opt_a["state"].items():  # the masters' rests among them (O2)
+        assert state.keys() == opt_b["state"][index].keys(), index
         for name, value in state.items():
             assert torch.equal(value, opt_b["state"][index][name]), (index, name)
-    masters_a, masters_b = opt_a.get("amp_master_params", {}), opt_b.get("amp_master_params", {})
-    assert masters_a.keys() == masters_b.keys()
-    assert all(torch.equal(masters_a[k], masters_b[k]) for k in masters_a)
+
+
+def saved_masters(optimizer_state):
+    """{index: the master's rest} of an O2 optimizer's state dict (its entries' `master`,
+    `master_remainder` or `master_correction`)."""
+    found = {}
+    for index, entry in optimizer_state["state"].items():
+        for key in ("master", "master_remainder", "master_correction"):
+            if key in entry:
+                found[index] = entry[key]
+    return found
 
 
 def grads(model, optimizer):
@@ -66,14 +76,10 @@ def assert_equal_states(a, b):
     (model_a, opt_a), (model_b, opt_b) = a, b
     for key in model_a:
         assert torch.equal(model_a[key], model_b[key]), key
-    for index in opt_a["state"]:
+    for index in opt_a["state"]:  # the masters' rests among them (O2)
         for name, value in opt_a["state"][index].items():
             other = opt_b["state"][index][name]
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
-    masters_a, masters_b = opt_a.get("amp_master_params", {}), opt_b.get("amp_master_params", {})
-    assert masters_a.keys() == masters_b.keys()
-    for index in masters_a:
-        assert torch.equal(masters_a[index], masters_b[index])
 
 
 def scaled_step(model, optimizer, overflow=False):

@@ -154,7 +154,7 @@ def test_checkpoint_prints_the_losses_and_what_the_checkpoint_holds(tmp_path):
         "after step 3 holds:",
         "model.state_dict(): 16 tensors (float32, int64)",
         "AdamW's state (exp_avg, exp_avg_sq, step)",
-        "amp_master_params: the FP32 master weights of 6 parameters",
+        "the master weights of 6 of them (master)",
         "amp.state_dict()['loss_scaler0']: {'loss_scale': ",
         "step       3",
     ):

@@ -425,10 +425,24 @@ def test_gradients_are_never_compared_with_equality(monkeypatch, opt_level):
 def test_loss_scaling_costs_no_more_calls_than_torchs_grad_scaler(opt_level):
     """At 10 parameter tensors, amp's scale_loss + step make no more Python calls than torch's
     GradScaler: the kernels' one-device path, the scaler's tensors read without a call,
-    is_distributed() without torch.distributed's four calls; at O2 also the master gradients
-    sliced once per model, and the model's writes checked and marked in one batch."""
+    is_distributed() without torch.distributed's four calls; at O2 (an fp16 model: FP32 masters)
+    also the master gradients sliced once per model, the state entries read once a step, and the
+    model's writes checked and marked in one batch."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from measure import scaling_calls
 
-    amp_adds, torch_adds = scaling_calls(opt_level)
+    dtype = torch.float16 if opt_level == "O2" else torch.bfloat16
+    amp_adds, torch_adds = scaling_calls(opt_level, dtype)
     assert amp_adds <= torch_adds, (amp_adds, torch_adds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_an_o2_step_costs_no_more_calls_with_more_parameters(dtype):
+    """O2's fused step makes a fixed number of Python calls whatever the parameter count (a bf16
+    model's exact masters decoded and encoded in one buffer), where torch's own step and
+    GradScaler make more with every tensor."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from measure import scaling_calls
+
+    few, many = (scaling_calls("O2", dtype, layers=layers)[0] for layers in (5, 20))
+    assert many <= few, (few, many)

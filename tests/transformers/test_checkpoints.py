@@ -28,6 +28,7 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 import amp  # noqa: E402
 from amp.transformers import AmpTrainer  # noqa: E402
 from amp.transformers.checkpoints import AMP_STATE_NAME, load_amp_state  # noqa: E402
+from helpers.state import saved_masters  # noqa: E402
 
 OPTIONS = {"opt_level": "O2", "dtype": torch.bfloat16, "verbosity": 0}
 
@@ -72,7 +73,7 @@ def _same(a, b):
 def test_resume_after_epoch_one_ends_bit_identical_to_the_uninterrupted_run(tmp_path, options):
     # An overflow at step 2 halves the loss scale before the checkpoint of epoch 1 (step 4): the
     # resumed run must continue from 32768, with one skipped step counted. Compact state rides in
-    # the same files (the corrections as amp_master_params, the moments as codes and scales).
+    # the same files (the corrections as master_correction, the moments as codes and scales).
     straight = _run(
         tmp_path / "straight", seed=0, save_strategy="epoch", overflow_at={1}, options=options
     )
@@ -83,7 +84,7 @@ def test_resume_after_epoch_one_ends_bit_identical_to_the_uninterrupted_run(tmp_
         "skipped_steps": 1,
     }
     optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert "amp_master_params" in optimizer
+    assert saved_masters(optimizer)
     if options is COMPACT:
         assert {s["exp_avg_sq_codes"].dtype for s in optimizer["state"].values()} == {torch.uint8}
     assert {v.dtype for v in load_file(checkpoint / "model.safetensors").values()} == {

@@ -1,6 +1,7 @@
-"""O2's compact state (amp/weights/compact_state.py, the compact rows of table.py): masters as bf16
-weights with int8 corrections, moments in 8 bits or bf16, all kept by the fused step; what they
-train to, skips, checkpoints either way, deinitialize, and what is refused."""
+"""O2's compact state (amp/weights/forms.py, owner.py, the correction rows of rows.py): masters as
+bf16 weights with int8 corrections, moments in 8 bits or bf16, all kept in the parameters' state
+entries and stepped by the fused step; what they train to, skips, checkpoints either way,
+deinitialize, and what is refused."""
 
 import copy
 import io
@@ -9,7 +10,6 @@ import pytest
 import torch
 
 import amp
-from amp.weights.masters import HollowMaster
 from helpers.models import inject, loss_of, make_model
 from helpers.o2 import general_path
 
@@ -77,17 +77,20 @@ def _flat(value):
 def test_compact_state_keeps_what_it_says_and_no_fp32_master(form):
     model, optimizer = setup(form)
     train(model, optimizer, range(2))
-    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    assert [p is q for p, q in zip(held, model.parameters())] == [True] * len(held)  # real
     compact = form.get("master_weights") == "compact"
-    cast = [m for m in masters if m.dim() == 2]  # the Linear weights (batch norm's stay FP32)
-    assert all(isinstance(m, HollowMaster) is compact for m in cast)
-    if compact:  # no values held: a read shows NaN, never a plausible weight
-        assert all(m.untyped_storage().nbytes() <= 4 and torch.isnan(m).all() for m in cast)
+    cast = [m for m in held if m.dim() == 2]  # the Linear weights (batch norm's stay FP32)
+    assert all(p.dtype is torch.bfloat16 for p in cast)
     state = optimizer.state[cast[0]]
     kind = form.get("optimizer_state", "fp32")
     keys = {"fp32": {"exp_avg", "exp_avg_sq"}, "bf16": {"exp_avg_bf16", "exp_avg_sq_bf16"}}
     keys["int8"] = {"exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"}
-    assert set(state) == keys[kind] | {"step"}
+    rest = "master_correction" if compact else "master_remainder"
+    assert set(state) == keys[kind] | {"step", rest}
+    assert state[rest].dtype is (torch.int8 if compact else torch.int16)
+    assert not any(t.dtype is torch.float32 and t.shape == cast[0].shape for t in state.values()
+                   if kind != "fp32")  # no FP32 master anywhere
     if kind == "int8":
         assert state["exp_avg_codes"].dtype is torch.int8
         assert state["exp_avg_sq_codes"].dtype is torch.uint8
@@ -218,7 +221,8 @@ def test_checkpoints_of_fp32_masters_and_of_compact_state_load_into_each_other(f
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), compact_values))
-    assert set(optimizer.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    expected = {"step", "exp_avg", "exp_avg_sq", "master_remainder"}  # exact masters' form
+    assert set(optimizer.state_dict()["state"][0]) == expected
     train(model, optimizer, range(4, 5))
 
 
@@ -291,7 +295,7 @@ def test_what_compact_state_cannot_do_is_refused_and_nothing_changes(form, cls, 
     amp.deinitialize()
 
 
-def test_compact_state_has_no_general_path():
+def test_compact_state_has_no_general_path_and_a_refused_step_changes_nothing():
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with general_path(), pytest.raises(ValueError, match="AMP_FUSED_STEP=0"):
@@ -302,8 +306,10 @@ def test_compact_state_has_no_general_path():
     optimizer.param_groups[0]["lr"] = torch.tensor(0.1)  # a scheduler's tensor learning rate
     with amp.scale_loss(loss_of(model, 0, inputs=16, outputs=16), optimizer) as scaled:
         scaled.backward()
-    with pytest.raises(RuntimeError, match="tensor hyperparameter"):
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(RuntimeError, match="lr is a Tensor, not a number.*Nothing was changed"):
         optimizer.step()
+    assert_equal(optimizer.state_dict(), before)
 
 
 @pytest.mark.parametrize("form", FORMS[1:2], ids=IDS[1:2])

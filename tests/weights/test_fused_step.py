@@ -1,8 +1,9 @@
-"""amp's fused master step at O2 (amp/weights/fused_step.py): torch.optim's AdamW, Adam and SGD
-stepped in one pass that leaves masters, optimizer state and the model's weights as the
-optimizer's own step would; the general path for everything else; no host read where the
-device decides (the skip is learned later); the CuPy path keeps gradients low precision until
-the step."""
+"""amp's fused master step at O2 (amp/weights/fused_step.py, owner.py): torch.optim's AdamW,
+Adam and SGD stepped in one pass that leaves masters and optimizer state as the optimizer's own
+step on FP32 masters would (the general path, AMP_FUSED_STEP=0), the model's weights their
+rounding (exact ties away from zero for a bf16 model's exact masters); the general path for
+everything else; no host read where the device decides (the skip is learned later); the CuPy path
+keeps gradients low precision until the step."""
 
 import sys
 
@@ -11,6 +12,7 @@ import torch
 
 import amp
 from helpers import ROOT
+from helpers.floats import bits
 from helpers.models import inject, loss_of, make_model
 from helpers.o2 import general_path
 
@@ -87,13 +89,30 @@ def state_of(model, optimizer):
     return weights, masters, optimizer.state_dict()
 
 
+_RESTS = ("master", "master_remainder", "master_correction")
+
+
 def assert_bitwise_states(a, b):
+    """The same masters and moments bit for bit; the same weights, but where an exact master's
+    weight took a tie away from zero and an FP32 master's to even (their masters agree)."""
     (weights_a, masters_a, opt_a), (weights_b, masters_b, opt_b) = a, b
-    for x, y in zip(weights_a + masters_a, weights_b + masters_b, strict=True):
-        assert x.dtype == y.dtype and torch.equal(x, y)
+    for x, y in zip(masters_a, masters_b, strict=True):
+        assert x.dtype == y.dtype and torch.equal(bits(x), bits(y))
+    for x, y in zip(weights_a, weights_b, strict=True):
+        assert x.dtype == y.dtype
+        if not torch.equal(x, y):  # only at ties: a master whose low 16 bits are 0x8000
+            master = next(m for m in masters_a if m.shape == x.shape and torch.equal(
+                m.to(x.dtype)[x == y], x[x == y]))
+            assert ((bits(master) & 0xFFFF)[x != y] == 0x8000).all()
     for index, state in opt_a["state"].items():
+        theirs = opt_b["state"].get(index, {})
         for key, value in state.items():
-            other = opt_b["state"][index][key]
+            if key in _RESTS:  # the master's form: compared as the masters above
+                continue
+            if key == "step" and key not in theirs:  # an exact master's entry never stepped
+                assert value.item() == 0 and not set(state) - {"step", *_RESTS}, index
+                continue
+            other = theirs[key]
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (index, key)
 
 
@@ -104,11 +123,9 @@ def test_the_fused_step_is_the_optimizers_own_step_bit_for_bit(cls, options, fus
         fused = state_of(*train(cls, options))
     finally:
         amp.deinitialize()
-    # The first step is the optimizer's own where it makes the state (all but SGD without
-    # momentum); the others are fused, one call a step for the masters and the batch norm's
-    # plain FP32 parameters of the one group.
-    stateless = cls is torch.optim.SGD and not options.get("momentum")
-    assert len(fused_calls) == (4 if stateless else 3)
+    # Every step fused, the first making the state, one call a step for the masters and the
+    # batch norm's plain FP32 parameters of the one group.
+    assert len(fused_calls) == 4
     fused_calls.clear()
     general = state_of(*train(cls, options, general=True))
     assert fused_calls == []
@@ -139,7 +156,7 @@ def test_clipping_through_master_params_is_stepped_from(fused_calls):
             torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1e-3)
 
     model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), steps=4, hook=clip)
-    assert len(fused_calls) == 3  # the clipped FP32 master gradients are stepped from
+    assert len(fused_calls) == 4  # the clipped FP32 master gradients are stepped from
     clipped = state_of(model, optimizer)
     amp.deinitialize()
     reference = state_of(*train(torch.optim.AdamW, dict(lr=0.01), steps=4, hook=clip, general=True))
@@ -154,7 +171,7 @@ def test_hyperparameters_are_read_at_every_step_and_groups_added_later_step_too(
             group["weight_decay"] = 0.05 * step
 
     model, optimizer = train(torch.optim.AdamW, dict(lr=0.01), hook=schedule)
-    assert len(fused_calls) == 3
+    assert len(fused_calls) == 4
     scheduled = state_of(model, optimizer)
     amp.deinitialize()
     reference = state_of(*train(torch.optim.AdamW, dict(lr=0.01), hook=schedule, general=True))
@@ -167,11 +184,16 @@ def test_the_state_dict_keeps_torchs_format_and_loads_into_a_plain_optimizer():
     saved = optimizer.state_dict()
     masters = [m.detach().clone() for m in amp.master_params(optimizer)]
     amp.deinitialize()
+    for state in saved["state"].values():  # torch's keys, and a cast parameter's remainder
+        assert set(state) - {"master_remainder"} == {"step", "exp_avg", "exp_avg_sq"}
+        assert state["exp_avg"].dtype is torch.float32
     plain = torch.optim.AdamW([torch.nn.Parameter(m.clone()) for m in masters], lr=0.01)
-    plain.load_state_dict({k: v for k, v in saved.items() if k != "amp_master_params"})
+    plain.load_state_dict(saved)  # the remainders come along, unread by torch's step
     for state in plain.state_dict()["state"].values():
-        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
         assert state["step"].item() == 3.0 and state["exp_avg"].dtype is torch.float32
+    for param in plain.param_groups[0]["params"]:
+        param.grad = torch.ones_like(param)
+    plain.step()
 
 
 # -- the device decides: no host read, the skip learned later ----------------------------------
@@ -204,7 +226,7 @@ def test_the_fused_step_reads_nothing_and_skips_on_the_device(copies_in_flight, 
             inject(model[0].weight)
 
     def first_step_read(step, model, optimizer):
-        if step >= 1:  # the first step is the optimizer's own: it reads the flag
+        if step >= 1:  # the first step makes the state: it waits for the flag
             copies_in_flight.clear()
 
     model, optimizer = train(cls, options, steps=3, inside=overflow, hook=first_step_read)
@@ -265,26 +287,27 @@ def test_a_skip_learned_later_is_reported_when_it_arrives_or_is_asked_for(copies
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize("batch_norm", [False, True], ids=["masters", "masters-and-plain"])
 @pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[1]], ids=["adamw", "sgd-nesterov"])
-def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
+def test_the_cupy_path_unscales_in_place_at_the_exit_and_steps_the_models_gradients(
     emulated_cupy, one_thread, cls, options, batch_norm
 ):
     """Bit for bit the torch backend's steps where torch's CPU op has no scalar loop (one
-    thread, sizes of whole vectors: tests/kernels/test_fused_step.py). A group holding the batch
-    norm's plain FP32 parameters too steps them from their own (FP32, unscaled) gradients."""
+    thread, sizes of whole vectors: tests/kernels/test_fused_step.py). The exit unscales the bf16
+    gradients in place (exact: a power of two) and leaves them in the model's `.grad`, which the
+    step reads: no FP32 master gradient is made. A group holding the batch norm's plain FP32
+    parameters too steps them from their own (FP32, unscaled) gradients."""
     seen = []
 
     def look(step, model, optimizer):
-        masters = [p for g in optimizer.param_groups for p in g["params"]]
-        # What the masters hold, not what a read of `.grad` would make of the deferred ones.
-        seen.append([torch.Tensor.grad.__get__(m) for m in masters[:2]])
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        seen.append([p.grad.dtype for p in params[:2]])
 
     model, optimizer = train(cls, options, steps=4, batch_norm=batch_norm, hook=look, width=16)
     names = [name for name, _, _ in emulated_cupy.calls]
-    assert seen[3] == [None, None]  # no FP32 master gradient made
-    assert "amp_check<__nv_bfloat16>" in names
-    assert any(
-        name.startswith(("amp_adam<__nv_bfloat16", "amp_sgd<__nv_bfloat16")) for name in names
-    )
+    assert seen[3] == [torch.bfloat16] * 2  # the model's own, unscaled: no FP32 made
+    assert "amp_unscale<__nv_bfloat16>" in names
+    steps = ("amp_compact_adam<__nv_bfloat16, amp::Remainder", "amp_compact_sgd<__nv_bfloat16, "
+             "amp::Remainder")
+    assert any(name.startswith(steps) for name in names)
     ours = state_of(model, optimizer)
     amp.deinitialize()
     reference = state_of(
@@ -294,11 +317,11 @@ def test_the_cupy_path_checks_at_the_exit_and_unscales_in_the_step(
 
 
 def _read_and_drop_one(seen):
-    """A hook between the exit and the step: every master's gradient read through the
-    optimizer, the first master's set to None (it is not stepped then)."""
+    """A hook between the exit and the step: every master's gradient read through
+    amp.master_params, the first master's set to None (it is not stepped then)."""
 
     def hook(step, model, optimizer):
-        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        masters = list(amp.master_params(optimizer))
         seen.append([m.grad.clone() for m in masters])
         masters[0].grad = None
 
@@ -308,17 +331,18 @@ def _read_and_drop_one(seen):
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize("batch_norm", [False, True], ids=["masters", "masters-and-plain"])
 @pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd-momentum"])
-def test_a_deferred_gradient_read_or_written_through_the_optimizer_is_the_fp32_one(
+def test_a_kept_gradient_read_or_written_through_master_params_is_the_fp32_one(
     emulated_cupy, one_thread, cls, options, batch_norm
 ):
-    """The masters' `.grad` read between the exit and the step is the FP32 unscaled gradient
-    the general path has there, and a write to it counts for the step; afterwards the masters
-    are plain Parameters again."""
+    """The masters' gradients read through amp.master_params between the exit and the step are
+    the FP32 unscaled gradients the general path has there, and a write to them counts for the
+    step; the param groups hold the model's parameters throughout."""
     ours_seen, theirs_seen = [], []
     model, optimizer = train(
         cls, options, batch_norm=batch_norm, width=16, hook=_read_and_drop_one(ours_seen)
     )
-    assert {type(p) for g in optimizer.param_groups for p in g["params"]} == {torch.nn.Parameter}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(any(p is q for q in model.parameters()) for p in held)
     ours = state_of(model, optimizer)
     amp.deinitialize()
     model, optimizer = train(
@@ -336,11 +360,10 @@ def test_a_deferred_gradient_read_or_written_through_the_optimizer_is_the_fp32_o
 
 
 @pytest.mark.usefixtures("deinitialized")
-def test_zero_grad_drops_deferred_gradients_without_making_them(emulated_cupy):
+def test_zero_grad_drops_kept_gradients_without_making_them(emulated_cupy):
     made = []
 
     def dropped(step, model, optimizer):
-        masters = [p for group in optimizer.param_groups for p in group["params"]]
         original = amp.kernels.unscale_to_
         amp.kernels.unscale_to_ = lambda *args, **kwargs: (
             made.append(1) or original(*args, **kwargs)
@@ -349,11 +372,11 @@ def test_zero_grad_drops_deferred_gradients_without_making_them(emulated_cupy):
             optimizer.zero_grad()
         finally:
             amp.kernels.unscale_to_ = original
-        made.append([type(m) for m in masters] == [torch.nn.Parameter] * len(masters))
+        masters = list(amp.master_params(optimizer))
         made.append([m.grad for m in masters] == [None] * len(masters))
 
     train(torch.optim.AdamW, dict(lr=0.01), batch_norm=False, hook=dropped)
-    assert made == [True, True] * 4
+    assert made == [True] * 4
 
 
 @pytest.mark.usefixtures("deinitialized")
@@ -369,17 +392,17 @@ def test_the_cupy_path_names_the_overflowing_parameters_from_its_check(emulated_
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize(
     "cls, options, kernel_bytes, per_tensor",
-    [(torch.optim.AdamW, dict(lr=0.01), 2 + 28, 12), (torch.optim.SGD, SGDS[0][1], 2 + 20, 0)],
+    [(torch.optim.AdamW, dict(lr=0.01), 4 + 26, 12), (torch.optim.SGD, SGDS[0][1], 4 + 18, 0)],
     ids=["adamw", "sgd-momentum"],
 )
 def test_the_cupy_path_moves_the_bytes_of_one_pass_per_parameter(
     emulated_cupy, cls, options, kernel_bytes, per_tensor
 ):
-    """After backward the kernels read each BF16 gradient once at the exit (the check) and once
-    in the step, which reads the master and the state and writes them and the BF16 weight
-    (benchmarks/device_work.py's kernel_traffic); torch's own ops there do not grow with the
-    model (the scale update, the flags' copy to the host). Adam's step count is read and
-    counted per tensor (`per_tensor` bytes)."""
+    """After backward the kernels unscale each BF16 gradient in place at the exit (read and
+    written once) and read it once in the step, which reads the BF16 weight, its int16 remainder
+    and the state and writes them back (benchmarks/device_work.py's kernel_traffic); torch's own
+    ops there do not grow with the model (the scale update, the flags' copy to the host). Adam's
+    step count is read and counted per tensor (`per_tensor` bytes)."""
     found = {}
     for width in (16, 32):
         model, optimizer = train(cls, options, steps=2, batch_norm=False, width=width)
@@ -423,7 +446,7 @@ def test_the_cupy_path_packs_its_step_launches_once_for_masters_and_plain_parame
     """The step kernels' launch plans (amp.kernels' CuPy backend keeps them by the tensors they
     cover) are reused from step to step when a group holds masters and batch norm's plain
     parameters, and when a clipping made the masters' gradients FP32 (one call with rows without
-    a copy): packed at the first fused step only (the second; the first is the optimizer's)."""
+    a copy): packed at the first step only."""
     from amp.kernels import _cupy_device
 
     packed = []
@@ -444,11 +467,10 @@ def test_the_cupy_path_packs_its_step_launches_once_for_masters_and_plain_parame
     def mark(step, model, optimizer):
         marks.append(step)
         if clip:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
 
     train(torch.optim.AdamW, dict(lr=0.01), steps=5, batch_norm=True, hook=mark)
-    assert packed == [2, 2]  # the masters' rows and the plain parameters', at step 2
+    assert packed == [1, 1]  # the masters' rows and the plain parameters', at the first step
 
 
 @pytest.mark.usefixtures("deinitialized")
@@ -576,14 +598,14 @@ def test_step_hooks_run_around_the_fused_step_as_around_torchs(fused_calls):
     finally:
         for handle in handles:
             handle.remove()
-    # Step 0 is the optimizer's own (no state yet); 1 and 3 fused; 2 skipped (no hook runs).
-    assert len(fused_calls) == 2
-    fused = [(kind, count) for kind, count, _ in calls[3:]]
+    # Steps 0, 1 and 3 fused; 2 skipped (no hook runs).
+    assert len(fused_calls) == 3
+    fused = [(kind, count) for kind, count, _ in calls]
     assert fused == [("pre", 0), ("post", 1), ("global post", 1)] + [
         ("pre", 1),
         ("post", 2),
         ("global post", 2),
-    ]
+    ] + [("pre", 2), ("post", 3), ("global post", 3)]
     assert all(args == (optimizer,) for _, _, args in calls)
 
 
@@ -604,5 +626,5 @@ def test_a_profiler_sees_the_fused_step_under_torchs_name(fused_calls):
         scaled.backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         optimizer.step()
-    assert len(fused_calls) == 2  # the second training step and this one
+    assert len(fused_calls) == 3  # the two training steps and this one
     assert "Optimizer.step#AdamW.step" in {event.name for event in profile.events()}

@@ -1,7 +1,8 @@
 """The gradient stash (amp/weights/grad_stash.py): gradients from before a scale_loss block are
 kept apart and added back exactly, also when the block raises, nests or accumulates with
-delay_unscale; O2's master gradients are made at the block's exit in one kernel call, the
-low-precision gradients freed from the model, bit for bit what torch's unscale gives."""
+delay_unscale; O2's master gradients are made at the block's exit in one kernel call, bit for
+bit what torch's unscale gives: an fp16 model's in FP32 (its low-precision gradients freed from
+the model), a bf16 model's unscaled in place in its `.grad` (exact: a power of two)."""
 
 import contextlib
 import weakref
@@ -49,7 +50,10 @@ def test_master_grads_are_the_model_grads_unscaled_bit_for_bit(dtype):
         for master, want in zip(masters, expected):
             assert master.grad.dtype is torch.float32
             assert torch.equal(master.grad, want)
-        assert all(param.grad is None for param in params)
+        if dtype is torch.bfloat16:  # the model's own gradients, unscaled in place
+            assert all(torch.equal(p.grad.float(), want) for p, want in zip(params, expected))
+        else:
+            assert all(param.grad is None for param in params)
     finally:
         amp.deinitialize()
 
@@ -103,7 +107,7 @@ def test_a_large_models_gradients_become_fp32_in_quarters_each_let_go_first(monk
     gradients and all the FP32 ones are never held together): bit for bit the one-call result."""
     from amp.weights import grad_stash
 
-    model, optimizer = initialized(torch.bfloat16)
+    model, optimizer = initialized(torch.float16)
     params = list(model.parameters())
     monkeypatch.setattr(grad_stash, "_WHOLE", 0)
     original = amp.kernels.unscale_to_
@@ -137,7 +141,7 @@ def test_a_large_models_gradients_become_fp32_in_quarters_each_let_go_first(monk
 def test_parameters_without_gradient_keep_no_master_gradient(monkeypatch):
     """Parameters this backward did not reach keep no master gradient; the others are unscaled
     in one call, bit for bit."""
-    model, optimizer = initialized(torch.bfloat16)
+    model, optimizer = initialized(torch.float16)
     reached = set(model[:4].parameters())  # two of the six Linear layers
     calls = []
     original = amp.kernels.unscale_to_
@@ -147,7 +151,7 @@ def test_parameters_without_gradient_keep_no_master_gradient(monkeypatch):
         return original(sources, destinations, *args, **kwargs)
 
     try:
-        x = torch.randn(16, 8, dtype=torch.bfloat16)
+        x = torch.randn(16, 8, dtype=torch.float16)
         with amp.scale_loss(model[:4](x).float().square().mean(), optimizer) as scaled:
             scaled.backward()
             grads = {param: param.grad.clone() for param in reached}

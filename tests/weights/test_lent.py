@@ -1,6 +1,9 @@
-"""Compact rows' FP32 values as a state dict lends them (amp/weights/lent.py): the tensor a state
-dict hands out stays in step with the row across steps and writes on either side, as an exact
-master's tensor does (the exact masters are the reference)."""
+"""The FP32 values a state dict lends for rows without an FP32 tensor (amp/weights/lent.py): exact
+masters' (bf16 weights and int16 remainders) and compact ones'. The tensor a state dict hands out
+stays in step with the row across steps and writes on either side, as torch's state dict's
+tensors are its parameters; reading writes nothing."""
+
+import copy
 
 import pytest
 import torch
@@ -120,10 +123,18 @@ def test_a_lent_tensor_no_one_holds_is_let_go_at_the_next_forward():
 
 
 @pytest.mark.parametrize("form", FORMS, ids=["exact", "compact"])
-def test_a_write_into_a_lent_tensor_is_taken_wherever_outside_writes_are(form):
-    """optimizer.state_dict() takes writes from outside amp first; a lent tensor's is one."""
+def test_a_write_into_a_lent_tensor_not_yet_taken_is_in_a_checkpoint_taken_before(form):
+    """optimizer.state_dict() only reads: the write stays untaken (the model computes with its
+    weight until its next forward or step), yet the checkpoint holds the value the state dict
+    shows, and loads into a fresh run as it."""
     model, optimizer = setup(form)
     model.state_dict()["0.weight"].fill_(0.5)
-    saved = optimizer.state_dict()
+    saved_model = {key: value.clone() for key, value in model.state_dict().items()}
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    assert not (model[0].weight == 0.5).all()  # nothing was taken in by reading
+    amp.deinitialize()
+    model, optimizer = setup(form)
+    model.load_state_dict(saved_model)
+    optimizer.load_state_dict(saved_optimizer)
     assert (model[0].weight == 0.5).all()
-    assert "amp_master_params" in saved
+    assert (model.state_dict()["0.weight"] == 0.5).all()

@@ -1,6 +1,7 @@
 """O2 checkpoints of the optimizer (amp/weights/optimizer_state.py): optimizer.state_dict() carries
-the FP32 masters, loads into plain FP32 training, and a load it refuses changes nothing. Resuming
-from a checkpoint bit for bit: tests/programs/test_resume.py."""
+each master's rest in its parameter's entry (`master`, `master_remainder`, `master_correction`;
+older amp's top-level `amp_master_params` loads too), loads into plain FP32 training, and a load
+it refuses changes nothing. Resuming from a checkpoint bit for bit: tests/programs/test_resume.py."""
 
 import copy
 
@@ -11,7 +12,15 @@ import amp
 from helpers.models import loss_of, make_model
 from helpers.o2 import optimizer_params, saved, setup, train_step
 from helpers.o2 import static_o2
-from helpers.state import assert_equal_states, assert_same, everything, snapshot, step_cleanly
+from helpers.o2 import general_path
+from helpers.state import (
+    assert_equal_states,
+    assert_same,
+    everything,
+    saved_masters,
+    snapshot,
+    step_cleanly,
+)
 
 
 def test_optimizer_state_dict_carries_masters_and_malformed_ones_change_nothing():
@@ -23,14 +32,19 @@ def test_optimizer_state_dict_carries_masters_and_malformed_ones_change_nothing(
             scaled.backward()
         optimizer.step()
         saved = copy.deepcopy(optimizer.state_dict())
-        assert set(saved["amp_master_params"]) == {0, 1, 2, 3}
+        assert set(saved_masters(saved)) == {0, 1, 2, 3}
+        assert all(entry["master"].dtype is torch.float32 for entry in saved["state"].values())
         before = snapshot(model, optimizer)
         bad = copy.deepcopy(saved)
-        bad["amp_master_params"][1] = torch.zeros(3)
-        with pytest.raises(ValueError, match="master weight 1 has shape"):
+        bad["state"][1]["master"] = torch.zeros(3)
+        with pytest.raises(ValueError, match=r"master weight \(master\) of parameter 1 has shape"):
             optimizer.load_state_dict(bad)
-        bad["amp_master_params"] = {9: torch.zeros(8, 4)}
-        with pytest.raises(ValueError, match="not an O2 master here"):
+        bad = copy.deepcopy(saved)
+        bad["state"][9] = {"master": torch.zeros(8, 4)}
+        with pytest.raises(ValueError, match="state for parameter 9"):
+            optimizer.load_state_dict(bad)
+        bad = dict(copy.deepcopy(saved), amp_master_params={1: torch.zeros(3)})  # older amp's
+        with pytest.raises(ValueError, match=r"master weight \(master\) of parameter 1 has shape"):
             optimizer.load_state_dict(bad)
         assert_equal_states(before, snapshot(model, optimizer))
         with amp.scale_loss(loss_of(model, 1), optimizer) as scaled:
@@ -68,14 +82,16 @@ def test_an_o2_checkpoint_with_missing_masters_is_refused_and_changes_nothing(tr
     saved = copy.deepcopy(optimizer.state_dict())
     step_cleanly(model, optimizer, 1)
     before = everything(model, optimizer)
-    fewer = dict(saved, amp_master_params={0: saved["amp_master_params"][0]})
-    with pytest.raises(ValueError, match=r"lacks the master weights of parameters \[1, 2, 3\]"):
+    fewer = copy.deepcopy(saved)
+    for index in (1, 2, 3):
+        del fewer["state"][index]["master"]
+    with pytest.raises(ValueError, match=r"lacks those of \[1, 2, 3\]"):
         optimizer.load_state_dict(fewer)
     with pytest.raises(TypeError, match="Drop the key"):
         optimizer.load_state_dict(dict(saved, amp_master_params=None))
     assert_same(before, everything(model, optimizer))
     optimizer.load_state_dict(saved)  # the whole checkpoint loads
-    for master, value in zip(amp.master_params(optimizer), saved["amp_master_params"].values()):
+    for master, value in zip(amp.master_params(optimizer), saved_masters(saved).values()):
         assert torch.equal(master, value)
 
 
@@ -89,10 +105,9 @@ class _Uncopyable(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def _o2_adam_two_steps():
-    import copy
-
-    model, optimizer = static_o2(torch.optim.Adam)
+def _o2_adam_two_steps(general=False):
+    with general_path(general):
+        model, optimizer = static_o2(torch.optim.Adam)
 
     def step():
         with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), optimizer) as scaled:
@@ -108,16 +123,16 @@ def _o2_adam_two_steps():
 
 @pytest.mark.parametrize("bad", ["meta", "sparse", "uncopyable"])
 def test_a_load_with_an_unusable_master_changes_nothing(bad):
-    model, optimizer, saved = _o2_adam_two_steps()
-    masters = dict(saved["amp_master_params"])
-    value = masters[0]
+    """Refused before anything changes, or (a master no check can tell, on the general path,
+    which copies it into its FP32 master) put back as it was."""
+    model, optimizer, saved = _o2_adam_two_steps(general=bad == "uncopyable")
+    value = saved["state"][0]["master"]
     if bad == "meta":
-        masters[0] = value.to("meta")
+        saved["state"][0]["master"] = value.to("meta")
     elif bad == "sparse":
-        masters[0] = value.to_sparse()
+        saved["state"][0]["master"] = value.to_sparse()
     else:
-        masters[0] = value.as_subclass(_Uncopyable)
-    saved["amp_master_params"] = masters
+        saved["state"][0]["master"] = value.as_subclass(_Uncopyable)
     state = {param: {k: v.clone() for k, v in s.items()} for param, s in optimizer.state.items()}
     params = [p.detach().clone() for p in amp.master_params(optimizer)]
     with pytest.raises((ValueError, RuntimeError), match="meta|sparse|cannot be copied"):
@@ -175,17 +190,16 @@ def test_torch_optimizers_carry_the_masters_through_torchs_state_dict_hooks():
     assert "state_dict" not in vars(optimizer) and "load_state_dict" not in vars(optimizer)
     step_cleanly(model, optimizer)
     state = torch.optim.Optimizer.state_dict(optimizer)  # the class's method, unbound
-    assert set(state["amp_master_params"]) == {0, 1, 2, 3}
+    assert set(saved_masters(state)) == {0, 1, 2, 3}
     changed = copy.deepcopy(state)
-    changed["amp_master_params"][0].fill_(0.5)
+    changed["state"][0]["master_remainder"].zero_()  # the weight alone: its value
     torch.optim.Optimizer.load_state_dict(optimizer, changed)
-    assert torch.equal(
-        optimizer_params(optimizer)[0], torch.full_like(model[0].weight, 0.5).float()
-    )
-    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 0.5))
+    assert torch.equal(optimizer_params(optimizer)[0], model[0].weight.float())
+    assert optimizer.state[model[0].weight]["master_remainder"].dtype is torch.int16
+    assert optimizer.state[model[0].weight]["exp_avg"].dtype is torch.float32  # not bf16
     amp.deinitialize()
     assert all(len(registered) == 0 for registered in hooks)
-    assert "amp_master_params" not in optimizer.state_dict()
+    assert not saved_masters(optimizer.state_dict())
 
 
 @pytest.mark.usefixtures("deinitialized")
@@ -203,7 +217,7 @@ def test_an_optimizer_whose_class_saves_its_own_way_carries_the_masters_too():
     assert "state_dict" in vars(optimizer)
     step_cleanly(model, optimizer)
     state = optimizer.state_dict()
-    assert state["mine"] and set(state["amp_master_params"]) == {0, 1, 2, 3}
+    assert state["mine"] and set(saved_masters(state)) == {0, 1, 2, 3}
 
 
 def _moments_of_width(hidden, cls):

@@ -1,0 +1,234 @@
+"""What an optimizer amp steps keeps for each parameter, in the parameter's own optimizer state
+entry: the rest of a cast parameter's master (`master`, `master_remainder` or
+`master_correction`: rows.MasterForm), its moments in their stored form and torch's `step`.
+
+The moments of the cast parameters, and of the FP32 ones kept FP32 (batch norm's), are held as
+the `moments` option says: "fp32" under torch's own keys (`exp_avg`, `exp_avg_sq`,
+`momentum_buffer`); "bf16" under `<moment>_bf16`; "int8" as `<moment>_codes` (int8 softsign
+codes for a signed moment, uint8 square-root codes for Adam's second) and `<moment>_scales`
+(kernels.moment_encode's block scales). A plain torch optimizer never takes those keys for its
+own. Parameters of other dtypes (a float64 one) keep torch's format: moments of their dtype.
+
+An entry converts from torch's format, or any of these forms (`from_torch`: a checkpoint of
+another form, state loaded before amp.initialize, the dtypes torch's load cast), and back
+(`to_torch`: deinitialize).
+"""
+
+import itertools
+import operator
+
+import torch
+
+from .. import kernels
+from .rows import MasterForm
+
+__all__ = ["MOMENTS", "StateForm", "check_entry", "torch_entry"]
+
+# The moments of each kind of step, and whether each is signed (kernels.moment_encode's `signed`)
+MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
+_MASTER_KEYS = frozenset(MasterForm.KEYS.values())
+_SUFFIXES = ("", "_bf16", "_codes", "_scales")
+repeat = itertools.repeat
+
+
+class StateForm:
+    """How one optimizer amp steps keeps its state: `kind` ("adam" or "sgd"), the `master` form
+    of its cast parameters (rows.MasterForm) and `moments` ("fp32", "bf16" or "int8")."""
+
+    def __init__(self, kind, master, moments):
+        self.kind, self.master, self.moments = kind, master, moments
+        self.moment_names = MOMENTS[kind]
+        self._needed = {}  # (momentum, in_form) -> the keys a stepped entry holds
+
+    def in_form(self, param, cast):
+        """Whether `param`'s moments take the form (a cast parameter or an FP32 one), else
+        torch's format."""
+        return cast or param.dtype is torch.float32
+
+    def all_have_state(self, states, momentum, in_form):
+        """Whether every one of `states` (entries, or None) holds what has_state asks: C-level
+        tests, the usual answer after the first step."""
+        keys = self._needed.get((momentum, in_form))
+        if keys is None:
+            keys = [self.keys(moment, in_form)[0] for moment, _ in self._used(momentum)]
+            keys = self._needed[(momentum, in_form)] = keys + (["step"] if self.kind == "adam" else [])
+        if None in states:
+            return False
+        for key in keys:
+            if False in map(operator.contains, states, repeat(key)):
+                return False
+        return True
+
+    def keys(self, moment, in_form=True):
+        """The state keys a moment is held under."""
+        if self.moments == "fp32" or not in_form:
+            return (moment,)
+        if self.moments == "bf16":
+            return (f"{moment}_bf16",)
+        return (f"{moment}_codes", f"{moment}_scales")
+
+    def _used(self, momentum):
+        return [(m, s) for m, s in self.moment_names if momentum or m != "momentum_buffer"]
+
+    def has_state(self, state, momentum, in_form):
+        """Whether a step has made `state`'s moments and step count."""
+        return (self.kind != "adam" or "step" in state) and all(
+            self.keys(moment, in_form)[0] in state for moment, _ in self._used(momentum)
+        )
+
+    def start(self, param, state, momentum, in_form):
+        """Make what a first step finds in `state`: zero moments, step 0. Returns whether it made
+        any (SGD's first step starts the momentum as the gradient)."""
+        made = False
+        if self.kind == "adam" and "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            made = True
+        for moment, signed in self._used(momentum):
+            if self.keys(moment, in_form)[0] not in state:
+                dtype = torch.float32 if in_form else param.dtype
+                zeros = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+                state.update(self._encoded(moment, zeros, signed, in_form))
+                made = True
+        return made
+
+    def _encoded(self, moment, values, signed, in_form=True):
+        keys = self.keys(moment, in_form)
+        if not in_form:
+            return {keys[0]: values}
+        if self.moments == "fp32":
+            return {keys[0]: values.float()}
+        if self.moments == "bf16":
+            return {keys[0]: values.to(torch.bfloat16).contiguous()}
+        codes, scales = kernels.moment_encode(values.float(), signed)
+        return {keys[0]: codes.contiguous(), keys[1]: scales}
+
+    def tensors(self, states, momentum, in_form):
+        """(moments, scales or None, steps) of the parameters whose entries are `states`: a list
+        per moment (None for SGD's without momentum), their block scales for 8-bit codes."""
+        moments, scales = [], []
+        for moment, _ in self.moment_names:
+            if moment == "momentum_buffer" and not momentum:
+                moments.append(None)
+                continue
+            keys = self.keys(moment, in_form)
+            moments.append([state[keys[0]] for state in states])
+            if len(keys) == 2:
+                scales.append([state[keys[1]] for state in states])
+        steps = [state["step"] for state in states] if self.kind == "adam" else None
+        return moments, (scales or None), steps
+
+    # -- conversions -----------------------------------------------------------------------------
+
+    def from_torch(self, entry, param, in_form, low=None):
+        """`entry` (torch's format or any form's keys, in any dtype torch's load cast them to)
+        in this form; other keys kept. A master's rest is converted to this form where `low` (the
+        weight it is the rest of) is given, else dropped (the parameter is its FP32 value)."""
+        out = {key: value for key, value in entry.items() if _moment_of(key) is None}
+        for key in _MASTER_KEYS & out.keys():
+            rest = out.pop(key)
+            if low is not None and isinstance(rest, torch.Tensor):
+                fp32 = _decoded_master(key, low, rest)
+                out[self.master.key] = self.master.encode(fp32)[1]
+        for moment, signed in self.moment_names:
+            keys = self.keys(moment, in_form)
+            held = [entry.get(key) for key in keys]
+            if all(isinstance(value, torch.Tensor) for value in held) and _stored(
+                keys, held, self.moments if in_form else "torch", signed, param
+            ):
+                out.update(zip(keys, held))  # already so: kept as it is (no new rounding)
+                continue
+            values = _values(entry, moment, signed)
+            if values is not None:
+                dtype = torch.float32 if in_form else param.dtype
+                out.update(self._encoded(moment, values.to(dtype), signed, in_form))
+        return out
+
+    def to_torch(self, entry, param):
+        """`entry` in torch's format for `param` (now FP32): torch_entry's."""
+        return torch_entry(entry, param.dtype)
+
+
+def check_entry(entry, param, index):
+    """A clear error where a moment (any form's) has another shape than its parameter, or
+    8-bit codes another number of block scales (a checkpoint of another model): the fused
+    step does not check them and would read past a moment's end or step a prefix of it.
+    Changes nothing."""
+    for key, value in entry.items():
+        moment = _moment_of(key)
+        if moment is None or not isinstance(value, torch.Tensor):
+            continue
+        if key.endswith("_scales"):
+            wrong = value.numel() != kernels.moment_scales(param.numel())
+            what = f"{value.numel()} block scales"
+        else:
+            wrong = value.shape != param.shape
+            what = f"shape {tuple(value.shape)}"
+        if wrong:
+            raise ValueError(
+                f"optimizer.load_state_dict: the {moment} of parameter {index} ({key}) has "
+                f"{what}, and the parameter shape {tuple(param.shape)}: the checkpoint is of "
+                "another model. Load one saved by an optimizer over this model's parameters."
+            )
+
+
+def torch_entry(entry, dtype):
+    """A state entry of any form in torch's format: every moment under torch's key, in `dtype`
+    (its parameter's), no master rest."""
+    out = {
+        key: value
+        for key, value in entry.items()
+        if _moment_of(key) is None and key not in _MASTER_KEYS
+    }
+    for moments in MOMENTS.values():
+        for moment, signed in moments:
+            values = _values(entry, moment, signed)
+            if values is not None:
+                out[moment] = values.to(dtype)
+    return out
+
+
+def _moment_of(key):
+    for moments in MOMENTS.values():
+        for moment, _ in moments:
+            if key.startswith(moment) and key[len(moment):] in _SUFFIXES:
+                return moment
+    return None
+
+
+def _stored(keys, held, moments, signed, param):
+    """Whether `held` are a moment's tensors in their form's dtypes already."""
+    if moments == "torch":
+        return held[0].dtype is param.dtype
+    if moments == "fp32":
+        return held[0].dtype is torch.float32
+    if moments == "bf16":
+        return held[0].dtype is torch.bfloat16
+    codes = torch.int8 if signed else torch.uint8
+    return held[0].dtype is codes and held[1].dtype is torch.float32
+
+
+def _values(entry, moment, signed):
+    """The values of `moment` in `entry`, whichever way it is held there (None if not): torch's
+    key's as they are, else FP32; codes and bf16 moments whose dtype torch's load changed are read
+    back exactly."""
+    value = entry.get(moment)
+    if isinstance(value, torch.Tensor):
+        return value
+    value = entry.get(f"{moment}_bf16")
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.bfloat16).float()
+    codes, scales = entry.get(f"{moment}_codes"), entry.get(f"{moment}_scales")
+    if isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor):
+        codes = codes.to(torch.int8 if signed else torch.uint8)
+        return kernels.moment_decode(codes, scales.float())
+    return None
+
+
+def _decoded_master(key, low, rest):
+    """The FP32 value of a master whose rest (under `key`, in any dtype torch's load cast it to)
+    is `rest` beside the weight `low`."""
+    if key == MasterForm.KEYS["remainder"]:
+        return kernels.remainder_decode(low, rest.to(torch.int16))
+    if key == MasterForm.KEYS["correction"]:
+        return kernels.compact_decode(low, rest.to(torch.int8))
+    return rest.float()

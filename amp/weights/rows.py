@@ -1,0 +1,307 @@
+"""Rows: the cast parameters of one owner and the rest of each one's FP32 value, with the marks of
+amp's last write into them. The owner is an optimizer's (owner.py: the rest in the parameter's
+optimizer state; copies.py: an FP32 master the optimizer steps) or, for the cast parameters no
+optimizer steps, an initialize's (`FrozenRows`, which a copy of a model holds for its own).
+
+A row's FP32 value is its low-precision parameter (as the model holds it) and its rest, in one of
+three forms (`MasterForm`): an FP32 tensor ("fp32": the master itself, the parameter its rounding
+to nearest even), an int16 remainder ("remainder": exact, for bf16 parameters) or an int8
+correction ("correction": compact).
+
+Reading a row (`value`, `lend`) never writes: a step hook, a state dict taken in another thread,
+`amp.master_params` change no bit. Writes from outside amp (a `param.copy_`, a pruning mask, new
+data by `param.data = ...`, a write into a lent FP32 value) are seen by the marks: both sides'
+version counters, the parameter's data pointer and shape. The training thread takes them in at
+its next step, forward, load or undo (`take_writes`): a written FP32 side wins; a written
+parameter is the value where it changed (an FP32 master keeps the elements it did not change; a
+remainder or correction, which cannot tell, is dropped: the written weight is the value). Writes
+through `param.data` in place bump no version counter: they are not seen.
+
+Marks and reads go over whole lists at C level (`map`), so that a step costs a constant number of
+Python calls however many parameters the model has.
+"""
+
+import operator
+
+import torch
+
+from .. import kernels
+from ..casting.casts import LOW_PRECISION
+from .lent import LentValues
+
+__all__ = ["FP32", "REMAINDER", "CORRECTION", "MasterForm", "Rows", "FrozenRows"]
+
+FP32, REMAINDER, CORRECTION = "fp32", "remainder", "correction"
+_VERSION = operator.attrgetter("_version")
+_SHAPE = operator.attrgetter("shape")
+_DATA = torch.Tensor.data_ptr
+
+
+class MasterForm:
+    """How a master's FP32 value is held beside its `dtype` parameter: `name` FP32, REMAINDER or
+    CORRECTION (the last two bf16 only), and `key`, its optimizer state key."""
+
+    KEYS = {FP32: "master", REMAINDER: "master_remainder", CORRECTION: "master_correction"}
+    DTYPES = {FP32: torch.float32, REMAINDER: torch.int16, CORRECTION: torch.int8}
+
+    def __init__(self, name, dtype):
+        self.name, self.dtype = name, dtype
+        self.key = self.KEYS[name]
+        self.rest_dtype = self.DTYPES[name]
+
+    def __repr__(self):
+        return f"MasterForm({self.name!r}, {self.dtype})"
+
+    def encode(self, fp32):
+        """(the low-precision weight, the rest) of FP32 values, the weight in their layout (a
+        channels_last or transposed parameter stays so)."""
+        if self.name == FP32:
+            return fp32.to(self.dtype), fp32.detach().clone()
+        encode = kernels.remainder_encode if self.name == REMAINDER else kernels.compact_encode
+        low, rest = encode(fp32)
+        if not fp32.is_contiguous():
+            low = torch.empty_like(fp32, dtype=low.dtype).copy_(low)
+        return low, rest
+
+    def decode(self, low, rest):
+        """The FP32 value a weight and its rest hold (a new tensor but for FP32: the rest)."""
+        if self.name == REMAINDER:
+            return kernels.remainder_decode(low, rest)
+        if self.name == CORRECTION:
+            return kernels.compact_decode(low, rest)
+        return rest
+
+    def empty_rest(self, low):
+        """The rest of a weight that is its own value (a write from outside amp took its place)."""
+        if self.name == FP32:
+            return low.detach().float()
+        return torch.zeros(low.shape, dtype=self.rest_dtype, device=low.device)
+
+
+class Rows:
+    """The rows of one owner: its cast parameters (`params`), their rests (`rests()`, where the
+    owner keeps them) in `form`, and the marks of amp's last write."""
+
+    def __init__(self, form):
+        self.form = form
+        self.fp32 = form.name == FP32  # the rests are FP32 masters, written through state dicts
+        self.params = []
+        self.index = {}  # id(param) -> row
+        self.lent = LentValues()  # FP32 values handed out for rows without an FP32 tensor
+        self._versions, self._datas, self._shapes, self._rest_versions = [], [], [], []
+        self._rests_seen = []  # FP32 rests as marked: their versions are compared, not looked up
+
+    # -- where the rests are (the owner's) ------------------------------------------------------
+
+    def rests(self):
+        raise NotImplementedError
+
+    def rest(self, row):
+        return self.rests()[row]
+
+    def _set_rest(self, row, rest):
+        """The row's rest becomes `rest` (a new tensor: a shape the model's write changed)."""
+        raise NotImplementedError
+
+    # -- marks --------------------------------------------------------------------------------
+
+    def _add(self, param):
+        """A row for `param` (its rest where the owner keeps it); returns its index."""
+        self.params.append(param)
+        columns = (self._versions, self._datas, self._shapes, self._rest_versions, self._rests_seen)
+        for column in columns:
+            column.append(None)
+        self.index[id(param)] = len(self.params) - 1
+        return len(self.params) - 1
+
+    def _reindex(self):
+        self.index = {id(param): row for row, param in enumerate(self.params)}
+
+    def mark(self, rests=None):
+        """amp (or a load) has just made every row's two sides agree (`rests`: the rows' rests,
+        where the caller has them at hand)."""
+        params = self.params
+        self._versions = list(map(_VERSION, params))
+        self._datas = list(map(_DATA, params))
+        self._shapes = list(map(_SHAPE, params))
+        if self.form.name == FP32:
+            self._rests_seen = list(self.rests() if rests is None else rests)
+            self._rest_versions = list(map(_VERSION, self._rests_seen))
+
+    def mark_row(self, row):
+        param = self.params[row]
+        self._versions[row] = param._version
+        self._datas[row] = _DATA(param)
+        self._shapes[row] = param.shape
+        if self.form.name == FP32:
+            rest = self._rests_seen[row] = self.rest(row)
+            self._rest_versions[row] = rest._version
+
+    def unchanged(self):
+        """True when no row was written since its mark (C-level compares)."""
+        params = self.params
+        return (
+            list(map(_VERSION, params)) == self._versions
+            and list(map(_DATA, params)) == self._datas
+            and list(map(_SHAPE, params)) == self._shapes
+            and (
+                self.form.name != FP32
+                or list(map(_VERSION, self._rests_seen)) == self._rest_versions
+            )
+        )
+
+    def param_written(self, row):
+        param = self.params[row]
+        return (
+            param._version != self._versions[row]
+            or _DATA(param) != self._datas[row]
+            or param.shape != self._shapes[row]
+        )
+
+    def _rest_written(self, row):
+        return self.form.name == FP32 and self._rests_seen[row]._version != self._rest_versions[row]
+
+    # -- reads (they write nothing) -------------------------------------------------------------
+
+    def value(self, row):
+        """The row's FP32 value (an FP32 master: the tensor itself while nothing outside amp
+        wrote its parameter; else a new tensor)."""
+        param, rest = self.params[row], self.rest(row)
+        if not self.param_written(row) or self._rest_written(row):
+            return self.form.decode(param.detach(), rest)
+        if param.dtype not in LOW_PRECISION or param.shape != rest.shape:
+            return param.detach().float()  # new data of another dtype or shape: the value
+        if self.form.name != FP32:
+            return param.detach().float()  # the weight was written: its rest no longer holds
+        changed = param.detach() != rest.to(param.dtype)
+        return torch.where(changed, param.detach().float(), rest)
+
+    def lend(self, row):
+        """The FP32 value a state dict hands out, live (lent.py): an FP32 master itself, else a
+        tensor the row keeps in step."""
+        if self.form.name == FP32 and not self.param_written(row):
+            return self.rest(row).detach()
+        param = self.params[row]
+        return self.lent.lend(id(param), param, lambda: self.value(row).clone())
+
+    def saved_rest(self, row):
+        """The row's rest as its value now has it, for a checkpoint (a pure read): a lent value
+        written and not yet taken is the value; a parameter written from outside, its own."""
+        pending = self.lent.pending(id(self.params[row])) if self.lent.keys else None
+        if pending is not None:
+            return self.form.encode(pending.detach())[1]
+        if self.param_written(row):
+            param = self.params[row]
+            return self.value(row) if self.form.name == FP32 else self.form.empty_rest(param)
+        return self.rest(row).detach()
+
+    # -- amp's writes ---------------------------------------------------------------------------
+
+    def set_value(self, row, fp32):
+        """Make `fp32` the row's value (a load, a write into a lent value): the weight its
+        encoding, amp's own write."""
+        param = self.params[row]
+        with torch.no_grad():
+            low, rest = self.form.encode(fp32.detach().to(param.device, torch.float32))
+            param.copy_(low)
+            self.rest(row).copy_(rest)
+        self.mark_row(row)
+
+    def take_writes(self):
+        """Bring every row in step after writes from outside amp (the module doc): writes into lent
+        values first (the FP32 side wins), then the marks' compare, which is all the usual
+        answer, nothing written, costs."""
+        if self.lent.keys:
+            for row, value in self.lent.written(self.index):
+                self.set_value(row, value)
+        if self.params and not self.unchanged():
+            for row in range(len(self.params)):
+                self._take(row)
+
+    def _take(self, row):
+        param = self.params[row]
+        rest_written = self._rest_written(row)
+        if not (rest_written or self.param_written(row)):
+            return
+        with torch.no_grad():
+            if param.dtype not in LOW_PRECISION:
+                pass  # replaced by FP32 data: nothing to keep
+            elif param.shape != self.rest(row).shape:
+                self._set_rest(row, self.form.empty_rest(param))
+            elif rest_written:  # the FP32 side wins
+                param.copy_(self.rest(row))
+            elif self.form.name == FP32:  # the elements the write changed
+                self.rest(row).copy_(self.value(row))
+            else:  # a remainder or correction of another weight: the weight is the value
+                self.rest(row).zero_()
+        self.mark_row(row)
+
+    def refresh(self, rows=None):
+        """amp wrote the rows (all, or `rows`): the values lent out take them."""
+        if self.lent.keys:
+            self.lent.refresh(self.index, self.value, self.params, rows)
+
+    def written_by_amp(self, rests=None):
+        """A step wrote every row: its own write, marked (`rests` as for mark); lent values
+        refreshed."""
+        self.mark(rests)
+        self.refresh()
+
+
+class FrozenRows(Rows):
+    """Rows whose rests this object keeps: the cast parameters no optimizer steps (one table per
+    initialize), and the rows a copy of a model carries for its parameters."""
+
+    def __init__(self, form):
+        super().__init__(form)
+        self._rests = []
+
+    def rests(self):
+        return self._rests
+
+    def rest(self, row):
+        return self._rests[row]
+
+    def _set_rest(self, row, rest):
+        self._rests[row] = rest
+
+    def add(self, param, rest):
+        """A row for `param` whose rest is `rest` (they agree: amp has just written both)."""
+        self._rests.append(rest)
+        row = self._add(param)
+        self.mark_row(row)
+        return row
+
+    def pop(self, param):
+        """Remove `param`'s row; returns its rest (it joins an optimizer)."""
+        row = self.index[id(param)]
+        rest = self._rests.pop(row)
+        columns = (self.params, self._versions, self._datas, self._shapes, self._rest_versions,
+                   self._rests_seen)
+        for column in columns:
+            del column[row]
+        self._reindex()
+        return rest
+
+    # -- copies of a model (deepcopy, pickle) ---------------------------------------------------
+
+    def __getstate__(self):
+        # A copy's tensors count versions anew: a write not yet taken in is taken in the copy
+        # from whether each side was written, which the copy keeps.
+        rows = range(len(self.params))
+        state = dict(form=self.form, params=self.params, rests=self._rests)
+        state["written"] = [self.param_written(r) for r in rows]
+        state["rest_written"] = [self._rest_written(r) for r in rows]
+        return state
+
+    def __setstate__(self, state):
+        Rows.__init__(self, state["form"])
+        self._rests = state["rests"]
+        self.params = state["params"]
+        self._reindex()
+        self.mark()
+        for row, (param, rest) in enumerate(zip(state["written"], state["rest_written"])):
+            if param:
+                self._versions[row] = None
+            if rest:
+                self._rest_versions[row] = None
