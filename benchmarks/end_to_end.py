@@ -37,6 +37,27 @@ def _fingerprint(model):
         return torch.stack([p.detach().float().norm() for p in model.parameters()])
 
 
+def _host_time(trainer, inputs, targets):
+    """Seconds for one step to return to the caller, the device idle at its start: the host's
+    share (below the step time: the device is the bound; at it: the host is)."""
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    trainer.step(inputs, targets)
+    seconds = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return seconds
+
+
+def _held_bytes(trainer, batch):
+    """Bytes a parameter the variant holds between steps: allocated after its zero_grad (set to
+    None), less the batch, over the model's parameter count."""
+    trainer.zero_grad()
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - sum(t.numel() * t.element_size() for t in batch)
+    return held / sum(p.numel() for p in trainer.model.parameters())
+
+
 def train(workload, name, dtype, device, steps, warmup, optimizer):
     """Train variant `name` on a fresh model; returns its row (without the ratio)."""
     cuda = device == "cuda"
@@ -63,6 +84,8 @@ def train(workload, name, dtype, device, steps, warmup, optimizer):
         }
         if cuda:
             row["peak MiB"] = torch.cuda.max_memory_allocated() / MIB
+            row["host time"] = _host_time(trainer, inputs, targets)
+            row["held B/param"] = _held_bytes(trainer, (inputs, targets))
         row["calls"] = python_calls(trainer, (inputs, targets), warmup=0)
         moved = not torch.equal(before, _fingerprint(trainer.model))
         row["trained"] = bool(torch.isfinite(loss).item()) and moved
@@ -95,6 +118,8 @@ COLUMNS = [
     "time / torch.autocast",
     "peak MiB",
     "peak / torch.autocast",
+    "held B/param",
+    "host time",
     "calls",
     "calls / torch.autocast",
     "trained",
@@ -111,7 +136,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default")
-    parser.add_argument("--variants", nargs="+", choices=variants.VARIANTS, default=None)
+    parser.add_argument("--variants", nargs="+", choices=list(variants.SETUPS), default=None)
     parser.add_argument("--tiny", action="store_true", help="CI sizes of the same models")
     args = parser.parse_args(argv)
     if args.device != "cuda" and not args.tiny:
@@ -140,7 +165,7 @@ def main(argv=None):
                 f"{workload.per_batch} {workload.unit} a step, mean of {args.steps} steps",
                 table,
                 COLUMNS,
-                time_columns=("step time",),
+                time_columns=("step time", "host time"),
             )
     return results
 

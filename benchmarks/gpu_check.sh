@@ -1,26 +1,47 @@
 #!/bin/bash
-# Everything a lent GPU is for, in one call: the CUDA tests, the kernels, GPT-2 small / ResNet-50
-# end to end, and run_all. For a machine with a CUDA torch, CuPy and no network:
-#     bash benchmarks/gpu_check.sh [LOG_DIR]     (LOG_DIR: default ./gpu-logs)
-# torch's test helpers need `expecttest`; bring its wheel if the machine lacks it. Each part has
-# its own time limit so that one hang does not eat the lease; the logs keep every table.
+# What a lent GPU is for, in parts sized to a 15-minute lease. For a machine with a CUDA torch,
+# CuPy and no network:
+#     bash benchmarks/gpu_check.sh LOG_DIR [PART...]
+# Parts (default: all, about 9 minutes on an H200):
+#   env           the GPU, torch, CuPy; the first-use compile time of the CUDA module
+#   cuda_tests    pytest -m cuda (AMP_REQUIRE_CUDA=1: a skip for want of CUDA fails)
+#   step_kernels  each fused step kernel alone, 100M and 470M parameters (step_kernels.py)
+#   gpt2          GPT-2 small, bf16 and fp16: step, host time, peak and held bytes a parameter
+#   kernels       the unscale / copy / norm kernels against torch's (kernels.py)
+# torch's test helpers need `expecttest`, the float8 peers `torchao`: bring their wheels if the
+# machine lacks them. Each part has its own time limit so that one hang does not eat the lease;
+# the logs keep every table.
 LOGS=${1:-gpu-logs}
+shift
+PARTS=${*:-env cuda_tests step_kernels gpt2 kernels}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 AMP_REQUIRE_CUDA=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e ./compat/apex
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, amp; from amp import kernels
-print('torch', torch.__version__, 'amp', amp.__version__, kernels.cuda_backend())"
-} 2>&1 | tee "$LOGS/env.txt"
 run() {  # run LIMIT NAME COMMAND...: the command's output into LOGS/NAME.txt, its last lines here
   local limit=$1 name=$2; shift 2
   echo "== $name"
   timeout "$limit" "$@" > "$LOGS/$name.txt" 2>&1
   echo "exit $?" >> "$LOGS/$name.txt"
-  tail -n 12 "$LOGS/$name.txt"
+  tail -n 40 "$LOGS/$name.txt"
 }
-run 200 cuda_tests python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -m cuda
-run 120 kernels python3 benchmarks/kernels.py
-run 300 end_to_end python3 benchmarks/end_to_end.py
-run 600 run_all python3 benchmarks/run_all.py
-run 600 other_tests python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -m "not cuda"
+GPT2="--models gpt2 --optimizer fused --steps 10 --warmup 3"
+for part in $PARTS; do
+  case $part in
+    env) run 50 env sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "
+import time, torch, amp, cupy
+from amp import kernels
+from amp.kernels import _cupy_device
+print(\"torch\", torch.__version__, \"amp\", amp.__version__, \"cupy\", cupy.__version__, kernels.cuda_backend())
+begin = time.perf_counter(); _cupy_device.gpu(0); torch.cuda.synchronize()
+print(\"CUDA module first use: %.2f s\" % (time.perf_counter() - begin))"' ;;
+    cuda_tests) run 140 cuda_tests python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -m cuda ;;
+    step_kernels) run 70 step_kernels python3 benchmarks/step_kernels.py ;;
+    gpt2) run 150 gpt2 sh -c "python3 benchmarks/end_to_end.py $GPT2 --dtype bfloat16 \
+--variants torch.autocast 'amp O1' 'amp O2' 'amp O2 compact' 'amp O2 compact int8' \
+'amp O2 bf16 no masters' && python3 benchmarks/end_to_end.py $GPT2 --dtype float16 \
+--variants torch.autocast 'amp O1' 'amp O2'" ;;
+    kernels) run 120 kernels python3 benchmarks/kernels.py ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done

@@ -48,10 +48,12 @@ REFERENCE = "torch.autocast"
 
 class Trainer:
     """`step(inputs, targets)` runs one training step and returns the loss (detached);
-    `loss_scale()` the current loss scale (None without one)."""
+    `loss_scale()` the current loss scale (None without one); `zero_grad()` drops the gradients
+    as the next step would (what is left is what the variant holds between steps)."""
 
-    def __init__(self, model, step, close=lambda: None, loss_scale=lambda: None):
+    def __init__(self, model, step, close=lambda: None, loss_scale=lambda: None, zero_grad=None):
         self.model, self._step, self._close, self.loss_scale = model, step, close, loss_scale
+        self.zero_grad = zero_grad or (lambda: model.zero_grad(set_to_none=True))
 
     def step(self, inputs, targets):
         return self._step(inputs, targets)
@@ -85,7 +87,7 @@ def _fp32(model, loss_fn, dtype, optimizer):
         opt.step()
         return loss.detach()
 
-    return Trainer(model, step)
+    return Trainer(model, step, zero_grad=lambda: opt.zero_grad(set_to_none=True))
 
 
 def _torch_autocast(model, loss_fn, dtype, optimizer):
@@ -102,7 +104,9 @@ def _torch_autocast(model, loss_fn, dtype, optimizer):
         scaler.update()
         return loss.detach()
 
-    return Trainer(model, step, loss_scale=scaler.get_scale)
+    return Trainer(
+        model, step, loss_scale=scaler.get_scale, zero_grad=lambda: opt.zero_grad(set_to_none=True)
+    )
 
 
 def _amp_autocast(model, loss_fn, dtype, optimizer):
@@ -119,7 +123,9 @@ def _amp_autocast(model, loss_fn, dtype, optimizer):
         return loss.detach()
 
     # amp.autocast installs amp's patches, which stay after the region: undo them.
-    return Trainer(model, step, amp.deinitialize, scaler.get_scale)
+    return Trainer(
+        model, step, amp.deinitialize, scaler.get_scale, lambda: opt.zero_grad(set_to_none=True)
+    )
 
 
 def _amp_level(opt_level, float8=None, **options):
@@ -145,7 +151,9 @@ def _amp_level(opt_level, float8=None, **options):
         def loss_scale():
             return amp.state_dict()["loss_scaler0"]["loss_scale"]
 
-        return Trainer(model, step, amp.deinitialize, loss_scale)
+        return Trainer(
+            model, step, amp.deinitialize, loss_scale, lambda: opt.zero_grad(set_to_none=True)
+        )
 
     return setup
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, fake_cupy
+from helpers.cuda_emulation import build
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import end_to_end  # noqa: E402
@@ -17,6 +18,7 @@ import o1_transformer  # noqa: E402
 import per_call  # noqa: E402
 import scaler as scaler_benchmark  # noqa: E402
 import step_costs  # noqa: E402
+import step_kernels  # noqa: E402
 import variants  # noqa: E402
 import workloads  # noqa: E402
 from measure import peak_memory, python_calls, settle  # noqa: E402
@@ -113,6 +115,32 @@ def test_kernel_benchmark_measures_each_case_once(monkeypatch, capsys):
     assert rows[0]["amp GB/s"] == 8 * 2**23 / rows[0]["amp"] / 1e9  # read and write, FP32
     assert rows[2]["amp GB/s"] == 6 * 2**22 / rows[2]["amp"] / 1e9  # FP16 read, FP32 write
     assert "kernels on cpu" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="needs g++ for the emulated grid")
+@pytest.mark.parametrize("case", [name for name in step_kernels.CASES if "torch" not in name])
+def test_step_kernels_counts_the_bytes_each_kernel_moves(monkeypatch, case):
+    """The bytes step_kernels.py divides by are device_work's count of the launches (the kernels
+    compiled for the CPU), less Adam's step counts: 12 bytes a tensor."""
+    import amp
+    import device_work
+
+    module, _ = fake_cupy.install(monkeypatch, kernels="compiled")
+    monkeypatch.setattr(amp.kernels, "_backend", lambda device: module)
+    sizes = [32 * 40 + 7] * step_kernels.TENSORS
+    step, moved = step_kernels.CASES[case](sizes, torch.device("cpu"))
+    with device_work.kernel_traffic() as work:
+        step()
+    counts = 12 * len(sizes) if case.startswith("adam") else 0
+    assert work.bytes - counts == pytest.approx(moved, rel=1e-3)
+
+
+def test_step_kernels_runs_every_case_against_torch_and_a_copy(capsys):
+    (rows,) = step_kernels.main(["--tiny"]).values()
+    assert [row["kernel"] for row in rows] == list(step_kernels.CASES)
+    assert all(row["time"] > 0 and row["/ copy"] > 0 for row in rows)
+    assert rows[0]["/ torch fused"] == 1.0
+    assert "Step kernels alone, 2M parameters" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "resnet50-tiny"])
