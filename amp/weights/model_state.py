@@ -113,9 +113,9 @@ def _copied_rows(copies):
             frozen = by_form[rows.form.name] = FrozenRows(rows.form)
         new = frozen.add(param, rows.rest(row).detach().clone())
         if rows.param_written(row):
-            frozen._versions[new] = None
+            frozen.marks[0][new] = None  # its version: written
         if rows._rest_written(row):
-            frozen._rest_versions[new] = None
+            frozen.rest_versions[new] = None
     return list(by_form.values())
 
 
@@ -137,7 +137,7 @@ class SyncBeforeForward:
                 lent.versions
             ):
                 rows.take_writes()
-            elif rows.fp32 and list(map(_VERSION, rows._rests_seen)) != rows._rest_versions:
+            elif rows.fp32 and list(map(_VERSION, rows.rests_seen)) != rows.rest_versions:
                 rows.take_writes()
             else:  # nothing written: the lent values are held by whoever kept them
                 lent.strong = {}

@@ -21,20 +21,17 @@ Marks and reads go over whole lists at C level (`map`), so that a step costs a c
 Python calls however many parameters the model has.
 """
 
-import operator
 
 import torch
 
 from .. import kernels
 from ..casting.casts import LOW_PRECISION
+from .columns import MARKS, VERSION
 from .lent import LentValues
 
 __all__ = ["FP32", "REMAINDER", "CORRECTION", "MasterForm", "Rows", "FrozenRows"]
 
 FP32, REMAINDER, CORRECTION = "fp32", "remainder", "correction"
-_VERSION = operator.attrgetter("_version")
-_SHAPE = operator.attrgetter("shape")
-_DATA = torch.Tensor.data_ptr
 
 
 class MasterForm:
@@ -88,8 +85,9 @@ class Rows:
         self.params = []
         self.index = {}  # id(param) -> row
         self.lent = LentValues()  # FP32 values handed out for rows without an FP32 tensor
-        self._versions, self._datas, self._shapes, self._rest_versions = [], [], [], []
-        self._rests_seen = []  # FP32 rests as marked: their versions are compared, not looked up
+        self.marks = [[] for _ in MARKS]  # a list per columns.MARKS: each row's, as amp wrote it
+        self.rest_versions = []
+        self.rests_seen = []  # FP32 rests as marked: their versions are compared, not looked up
 
     # -- where the rests are (the owner's) ------------------------------------------------------
 
@@ -108,8 +106,7 @@ class Rows:
     def _add(self, param):
         """A row for `param` (its rest where the owner keeps it); returns its index."""
         self.params.append(param)
-        columns = (self._versions, self._datas, self._shapes, self._rest_versions, self._rests_seen)
-        for column in columns:
+        for column in (*self.marks, self.rest_versions, self.rests_seen):
             column.append(None)
         self.index[id(param)] = len(self.params) - 1
         return len(self.params) - 1
@@ -121,45 +118,32 @@ class Rows:
         """amp (or a load) has just made every row's two sides agree (`rests`: the rows' rests,
         where the caller has them at hand)."""
         params = self.params
-        self._versions = list(map(_VERSION, params))
-        self._datas = list(map(_DATA, params))
-        self._shapes = list(map(_SHAPE, params))
-        if self.form.name == FP32:
-            self._rests_seen = list(self.rests() if rests is None else rests)
-            self._rest_versions = list(map(_VERSION, self._rests_seen))
+        self.marks = [list(map(read, params)) for read in MARKS]
+        if self.fp32:
+            self.rests_seen = list(self.rests() if rests is None else rests)
+            self.rest_versions = list(map(VERSION, self.rests_seen))
 
     def mark_row(self, row):
         param = self.params[row]
-        self._versions[row] = param._version
-        self._datas[row] = _DATA(param)
-        self._shapes[row] = param.shape
-        if self.form.name == FP32:
-            rest = self._rests_seen[row] = self.rest(row)
-            self._rest_versions[row] = rest._version
+        for column, read in zip(self.marks, MARKS):
+            column[row] = read(param)
+        if self.fp32:
+            rest = self.rests_seen[row] = self.rest(row)
+            self.rest_versions[row] = rest._version
 
     def unchanged(self):
         """True when no row was written since its mark (C-level compares)."""
         params = self.params
-        return (
-            list(map(_VERSION, params)) == self._versions
-            and list(map(_DATA, params)) == self._datas
-            and list(map(_SHAPE, params)) == self._shapes
-            and (
-                self.form.name != FP32
-                or list(map(_VERSION, self._rests_seen)) == self._rest_versions
-            )
+        return [list(map(read, params)) for read in MARKS] == self.marks and (
+            not self.fp32 or list(map(VERSION, self.rests_seen)) == self.rest_versions
         )
 
     def param_written(self, row):
         param = self.params[row]
-        return (
-            param._version != self._versions[row]
-            or _DATA(param) != self._datas[row]
-            or param.shape != self._shapes[row]
-        )
+        return any(read(param) != column[row] for column, read in zip(self.marks, MARKS))
 
     def _rest_written(self, row):
-        return self.form.name == FP32 and self._rests_seen[row]._version != self._rest_versions[row]
+        return self.fp32 and self.rests_seen[row]._version != self.rest_versions[row]
 
     # -- reads (they write nothing) -------------------------------------------------------------
 
@@ -276,9 +260,7 @@ class FrozenRows(Rows):
         """Remove `param`'s row; returns its rest (it joins an optimizer)."""
         row = self.index[id(param)]
         rest = self._rests.pop(row)
-        columns = (self.params, self._versions, self._datas, self._shapes, self._rest_versions,
-                   self._rests_seen)
-        for column in columns:
+        for column in (self.params, *self.marks, self.rest_versions, self.rests_seen):
             del column[row]
         self._reindex()
         return rest
@@ -302,6 +284,6 @@ class FrozenRows(Rows):
         self.mark()
         for row, (param, rest) in enumerate(zip(state["written"], state["rest_written"])):
             if param:
-                self._versions[row] = None
+                self.marks[0][row] = None  # its version: written
             if rest:
-                self._rest_versions[row] = None
+                self.rest_versions[row] = None

@@ -225,7 +225,9 @@ def full_momentum(engine, model, optimizer):
             state = FSDP.optim_state_dict(model, optimizer)["state"]
         return {_clean(n): s["momentum_buffer"].clone() for n, s in state.items()}
     names = [_clean(n) for n, _ in model.named_parameters()]
-    params = list(amp.master_params(optimizer))  # the FP32 masters at O2, in the model's order
+    # What the optimizer steps, in the model's order: at O2 the model's parameters (amp's fused
+    # step) or FP32 master Parameters (the optimizer's own step): its state's keys.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     local = optimizer.optim.state if engine == "zero" else optimizer.state
     found = {}
     for name, param in zip(names, params):
@@ -312,7 +314,9 @@ def reference(engine, mode):
         params = {name: value.clone() for name, value in model.state_dict().items()}
         momentum = {
             name: optimizer.state[param]["momentum_buffer"].clone()
-            for (name, _), param in zip(model.named_parameters(), amp.master_params(optimizer))
+            for (name, _), param in zip(
+                model.named_parameters(), [p for g in optimizer.param_groups for p in g["params"]]
+            )
         }
     finally:
         amp.deinitialize()
