@@ -8,12 +8,16 @@
 What amp refuses or follows of the engines themselves lives in weights/engines.py.
 """
 
+import functools
+import itertools
+import operator
 import sys
 
 import torch
 
 __all__ = [
     "dtensor_class",
+    "default_group",
     "is_distributed",
     "reduce_flag",
     "agree_on_flags",
@@ -35,22 +39,19 @@ def dtensor_class():
 _AVAILABLE = torch.distributed.is_available()  # fixed when torch was built
 _C10D = torch.distributed.distributed_c10d if _AVAILABLE else None
 
+# default_group(): torch's default process group, or None. It runs every step, so it is read in
+# C (attrgetter; the property it reads is torch's), no frame of amp's: in one process that is the
+# whole answer. The group is read now (one can be made or destroyed at any time), and the world
+# too: torch's threaded process groups (its multi-threaded tests) put a thread-local one in place.
+if _AVAILABLE:
+    default_group = functools.partial(operator.attrgetter("_world.default_pg"), _C10D)
+else:
+    default_group = itertools.repeat(None).__next__
+
 
 def is_distributed():
-    """True when a default process group of more than one rank is initialized.
-
-    It runs every step: torch.distributed.is_initialized() read directly (the default group, read
-    now: one can be made or destroyed at any time), without the Python calls of torch's helper
-    and its `default_pg` property. The world is read now too: torch's threaded process groups
-    (its multi-threaded tests) put a thread-local world in its place."""
-    if not _AVAILABLE:
-        return False
-    world = _C10D._world
-    try:
-        default_pg = world._default_pg
-    except AttributeError:  # torch's ThreadLocalWorld: the default group is a property only
-        default_pg = world.default_pg
-    return default_pg is not None and torch.distributed.get_world_size() > 1
+    """True when a default process group of more than one rank is initialized."""
+    return default_group() is not None and torch.distributed.get_world_size() > 1
 
 
 def reduce_flag(flag):

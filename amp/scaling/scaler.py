@@ -163,7 +163,7 @@ class LossScaler:
         if zero.dim() or zero.device != check.bad.device:  # a loss of shape (1,), another device
             zero = zero.sum().to(check.bad.device)
         torch.ne(zero, 0, out=check.bad)
-        if distributed.is_distributed():
+        if distributed.default_group() is not None and distributed.is_distributed():
             # Both words are 0 or positive (the bits of 0.0 / 1.0, and 0 / 1): MAX over the
             # int32 words is MAX over their values.
             distributed.reduce_flag(check.state[FOUND : BAD + 1])

@@ -30,8 +30,9 @@ def new_master(param):
 class MasterCopies(Rows):
     """The FP32 masters of one optimizer (`masters`, the rows' rests), in its param groups."""
 
-    kept, _copies, _handed_weak = None, None, None  # what an owner amp steps holds for a step
-
+    # What an owner amp steps holds for a step; the optimizer's own step reads the masters' FP32
+    # gradients.
+    kept, copies, handed, grads, _handed_weak, grads_in_model = None, None, None, None, None, False
 
     def __init__(self, optimizer, dtype):
         super().__init__(MasterForm(FP32, dtype))
@@ -74,9 +75,6 @@ class MasterCopies(Rows):
 
     def set_master_grads(self, rows, grads):
         consume(map(setattr, map(self.masters.__getitem__, rows), repeat("grad"), grads))
-
-    def in_model(self, device):
-        return False  # the optimizer's own step reads the masters' FP32 gradients
 
     def keeps_on(self, device):
         return False

@@ -14,50 +14,75 @@ another form, state loaded before amp.initialize, the dtypes torch's load cast),
 (`to_torch`: deinitialize).
 """
 
-import itertools
 import operator
+from typing import NamedTuple, Optional
 
 import torch
 
 from .. import kernels
 from .rows import MasterForm
 
-__all__ = ["MOMENTS", "StateForm", "check_entry", "torch_entry"]
+__all__ = ["MOMENTS", "Layout", "StateForm", "check_entry", "torch_entry"]
 
 # The moments of each kind of step, and whether each is signed (kernels.moment_encode's `signed`)
 MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
 _MASTER_KEYS = frozenset(MasterForm.KEYS.values())
 _SUFFIXES = ("", "_bf16", "_codes", "_scales")
-repeat = itertools.repeat
+
+
+class Layout(NamedTuple):
+    """Where a step finds its tensors in the state entries of one kind of parameter (one
+    (momentum, in_form) of a StateForm): `read(entry)` gives the tensors of `keys` (a tuple,
+    or the one tensor where there is one key; None: no key), at the positions `moments` (one per
+    moment of the kind; None where SGD has no momentum), `scales` (the block scales of 8-bit
+    codes) and `steps` (Adam's step count, else None). A stepped entry holds every key of
+    `needed`."""
+
+    keys: tuple
+    read: Optional[operator.itemgetter]
+    moments: tuple
+    scales: tuple
+    steps: Optional[int]
+    needed: tuple
 
 
 class StateForm:
     """How one optimizer amp steps keeps its state: `kind` ("adam" or "sgd"), the `master` form
-    of its cast parameters (rows.MasterForm) and `moments` ("fp32", "bf16" or "int8")."""
+    of its cast parameters (rows.MasterForm) and `moments` ("fp32", "bf16" or "int8");
+    `layouts[(momentum, in_form)]`, where a step finds what it reads (Layout)."""
 
     def __init__(self, kind, master, moments):
         self.kind, self.master, self.moments = kind, master, moments
         self.moment_names = MOMENTS[kind]
-        self._needed = {}  # (momentum, in_form) -> the keys a stepped entry holds
+        self.layouts = {
+            (momentum, in_form): self._layout(momentum, in_form)
+            for momentum in (True, False)
+            for in_form in (True, False)
+        }
+
+    def _layout(self, momentum, in_form):
+        keys, moments, scales = [], [], []
+        for moment, _ in self.moment_names:
+            if moment == "momentum_buffer" and not momentum:
+                moments.append(None)
+                continue
+            held = self.keys(moment, in_form)
+            moments.append(len(keys))
+            if len(held) == 2:
+                scales.append(len(keys) + 1)
+            keys.extend(held)
+        steps = None
+        if self.kind == "adam":
+            steps = len(keys)
+            keys.append("step")
+        needed = tuple(key for key in keys if not key.endswith("_scales"))
+        read = operator.itemgetter(*keys) if keys else None
+        return Layout(tuple(keys), read, tuple(moments), tuple(scales), steps, needed)
 
     def in_form(self, param, cast):
         """Whether `param`'s moments take the form (a cast parameter or an FP32 one), else
         torch's format."""
         return cast or param.dtype is torch.float32
-
-    def all_have_state(self, states, momentum, in_form):
-        """Whether every one of `states` (entries, or None) holds what has_state asks: C-level
-        tests, the usual answer after the first step."""
-        keys = self._needed.get((momentum, in_form))
-        if keys is None:
-            keys = [self.keys(moment, in_form)[0] for moment, _ in self._used(momentum)]
-            keys = self._needed[(momentum, in_form)] = keys + (["step"] if self.kind == "adam" else [])
-        if None in states:
-            return False
-        for key in keys:
-            if False in map(operator.contains, states, repeat(key)):
-                return False
-        return True
 
     def keys(self, moment, in_form=True):
         """The state keys a moment is held under."""
@@ -69,12 +94,6 @@ class StateForm:
 
     def _used(self, momentum):
         return [(m, s) for m, s in self.moment_names if momentum or m != "momentum_buffer"]
-
-    def has_state(self, state, momentum, in_form):
-        """Whether a step has made `state`'s moments and step count."""
-        return (self.kind != "adam" or "step" in state) and all(
-            self.keys(moment, in_form)[0] in state for moment, _ in self._used(momentum)
-        )
 
     def start(self, param, state, momentum, in_form):
         """Make what a first step finds in `state`: zero moments, step 0. Returns whether it made
@@ -101,21 +120,6 @@ class StateForm:
             return {keys[0]: values.to(torch.bfloat16).contiguous()}
         codes, scales = kernels.moment_encode(values.float(), signed)
         return {keys[0]: codes.contiguous(), keys[1]: scales}
-
-    def tensors(self, states, momentum, in_form):
-        """(moments, scales or None, steps) of the parameters whose entries are `states`: a list
-        per moment (None for SGD's without momentum), their block scales for 8-bit codes."""
-        moments, scales = [], []
-        for moment, _ in self.moment_names:
-            if moment == "momentum_buffer" and not momentum:
-                moments.append(None)
-                continue
-            keys = self.keys(moment, in_form)
-            moments.append([state[keys[0]] for state in states])
-            if len(keys) == 2:
-                scales.append([state[keys[1]] for state in states])
-        steps = [state["step"] for state in states] if self.kind == "adam" else None
-        return moments, (scales or None), steps
 
     # -- conversions -----------------------------------------------------------------------------
 

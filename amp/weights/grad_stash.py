@@ -187,7 +187,7 @@ class GradientStash:
         join the master gradients unscaled (apex dropped them; without this O2 would not
         step). A bf16 model's `.grad` is its gradient as it is: nothing to adopt."""
         owner = self.owner
-        if owner.in_model(None) or all(map(operator.is_, map(GRAD, owner.params), NONES)):
+        if owner.grads_in_model or all(map(operator.is_, map(GRAD, owner.params), NONES)):
             return
         owner.materialize()
         for row, param in enumerate(owner.params):
@@ -240,16 +240,17 @@ def _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, plai
         models = list(itertools.compress(models, present))  # parameters that had no gradient
         rows = list(itertools.compress(rows, present))  # (unused in this backward)
         grads = list(itertools.compress(grads, present))
+    dense = not any(map(IS_SPARSE, grads))
+    # StateOwner's, with no FP32 master gradient: the usual O2 bf16 exit
+    if into_masters and keep and dense and owner.grads_in_model and not owner.grads:
+        kernels.unscale_([*plain, *grads] if plain else grads, inv_scale, found_inf)
+        return
     if into_masters:
         all_grads = owner.master_grads()
         master_grads = [all_grads[row] for row in rows]
     else:
         master_grads = [None]
     fresh_ones = all(map(operator.is_, master_grads, NONES))
-    dense = not any(map(IS_SPARSE, grads))
-    if into_masters and keep and fresh_ones and dense and owner.in_model(grads[0].device):
-        kernels.unscale_([*plain, *grads] if plain else grads, inv_scale, found_inf)
-        return
     consume(map(setattr, models, repeat("grad"), NONES))
     if not fresh_ones or not dense:
         kernels.unscale_(plain, inv_scale, found_inf)

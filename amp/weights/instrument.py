@@ -1,8 +1,8 @@
 """Setting an optimizer up for amp: at O2 the owner of the cast parameters it steps, on the path
 paths.choose decides for its groups (owner.py or copies.py); its OptimizerRecord (optimizer.py)
-attached; its step, zero_grad and add_param_group replaced by the record's (optimizer.py's
-`replacement`); its state dicts carrying the masters (optimizer_state.py); all undone by amp's
-ledger."""
+attached; its step, zero_grad, add_param_group and state dicts replaced by the record's
+(optimizer.py's `replacement`); its state dicts carrying the masters (optimizer_state.py); all
+undone by amp's ledger."""
 
 import inspect
 
@@ -10,7 +10,7 @@ import torch
 
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import require_optimizer_like
-from . import engines, fused_step, optimizer_state
+from . import engines, optimizer_state, paths
 from .copies import MasterCopies, new_master
 from .forms import StateForm
 from .optimizer import PATCHED_METHODS, OptimizerRecord, replacement
@@ -41,11 +41,11 @@ def instrument(optimizer, index, cast_ids, properties, ledger):
     dicts carrying the masters. Runs before the model is cast."""
     owner = None
     if properties.master_weights and cast_ids:
-        paths = [
+        chosen = [
             choose(optimizer, group, properties, f"optimizers[{index}].param_groups[{number}]")
             for number, group in enumerate(optimizer.param_groups)
         ]
-        path = FUSED if all(p == FUSED for p, _ in paths) else GENERAL
+        path = FUSED if all(p == FUSED for p, _ in chosen) else GENERAL
         owner = _owner(optimizer, cast_ids, properties, path)
     if owner is None:  # O3's: state made with FP32 parameters follows them, as torch's load does
         ledger.add_undo(
@@ -80,7 +80,7 @@ def instrument(optimizer, index, cast_ids, properties, ledger):
 def _owner(optimizer, cast_ids, properties, path):
     groups = optimizer.param_groups
     if path == FUSED:
-        kind = fused_step.kind_of(optimizer)
+        kind = paths.kind_of(optimizer)
         form = StateForm(kind, master_form(properties, FUSED), properties.optimizer_state)
         owner = StateOwner(optimizer, kind, form)
         params = [p for group in groups for p in group["params"]]

@@ -22,8 +22,9 @@ import torch
 from .. import distributed
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import wrapped_optimizers
-from . import engines, optimizer_state, paths
-from .copies import MasterCopies, new_master
+from . import engines, fused_step, optimizer_state, paths
+from .copies import MasterCopies
+from .param_groups import add_param_group
 from .grad_stash import GradientStash
 from .owner import StateOwner
 from .skip import Skips
@@ -114,7 +115,7 @@ class OptimizerRecord:
         if self.skips.waiting:  # a skip whose results arrived since: reported now
             self._poll()
         owner = self.owner
-        if owner is not None and (owner.kept is not None or owner._copies):
+        if owner is not None and (owner.kept is not None or owner.copies):
             owner.open_block()  # the master gradients held for the step join the accumulation
         stash.enter(scaler, delay_unscale, inv_scale, identity, self.grad_holders())
         return None
@@ -149,8 +150,9 @@ class OptimizerRecord:
                 "closure."
             )
         stash = self.stash
-        if not self.places.in_place():  # a parameter replaced since initialize is refused
-            engines.check_places(self.places, "optimizer.step()")
+        places = self.places  # a parameter replaced since initialize is refused (in_place, inlined)
+        if not all(map(operator.is_, map(dict.get, places.dicts, places.names), places.params)):
+            engines.check_places(places, "optimizer.step()")
         if stash.frames:
             raise RuntimeError(
                 "optimizer.step() was called inside `with amp.scale_loss(...)`; the gradients "
@@ -166,10 +168,12 @@ class OptimizerRecord:
         if self.skips.waiting:  # earlier skips the device decided on, whose results may be here
             self._poll(wait=distributed.is_distributed())
         owner = self.owner
-        if owner is not None:  # O2: the rows take what reached the model around amp
-            owner.take_writes()
-            stash.adopt_model_grads()
         fused = isinstance(owner, StateOwner)
+        if owner is not None:
+            if not fused:  # the rows take what reached the model around amp (the fused step's own)
+                owner.take_writes()
+            if not owner.grads_in_model:
+                stash.adopt_model_grads()
         checks, found, known = self.pending, None, True
         if checks:
             self.pending = []
@@ -185,19 +189,15 @@ class OptimizerRecord:
                 self._skip(checks)
                 return None
         if fused:
-            late = []
 
             def learn():  # the state a first step makes waits for the step to be known taken
                 for check in checks:
                     check.arrived(wait=True)
-                late.extend(filter(_FOUND_VALUE, checks))
-                return bool(late)
+                return any(map(_FOUND_VALUE, checks))
 
-            owner.step(found, learn)
-            if late:
+            if not fused_step.step(owner, found, learn, self.keeps_grads):
                 self._skip(checks)
                 return None
-            owner.drop_grads(zero=self.keeps_grads)
             self._note_stepped()
             self._stepped(checks, known)
             return None
@@ -288,7 +288,10 @@ class OptimizerRecord:
         if not to_none:
             self.keeps_grads = True
         owner = self.owner
-        if owner is not None:
+        # What an owner holds apart from the parameters' `.grad`, which torch's zero_grad drops
+        if owner is not None and (
+            not to_none or owner.kept is not None or owner.grads or owner.handed or owner.copies
+        ):
             owner.drop_grads(zero=not to_none)
         # The arguments as given: a wrapper's zero_grad may take none (apex's LARC).
         self.originals["zero_grad"](*args, **kwargs)
@@ -308,70 +311,7 @@ class OptimizerRecord:
             stash.reset()
         self.pending = []  # the gradients an overflow was found in are gone, and the reason to skip
 
-    def add_param_group(self, param_group):
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param group must be a dict; got {type(param_group).__name__}.")
-        params = param_group.get("params")
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError(
-                "optimizer parameters need to be organized in ordered collections, but the "
-                "ordering of tensors in sets will change between runs. Please use a list instead."
-            )
-        else:
-            params = list(params) if params is not None else params
-        group = dict(param_group, params=params)
-        owner = self.owner
-        joining = []
-        if owner is not None:
-            for param in params or ():
-                rows = amp_state.owners.get(id(param))
-                if rows is not None and rows is not owner and not hasattr(rows, "optimizer"):
-                    joining.append((param, rows))  # a frozen cast parameter joins
-                elif rows is not None:
-                    raise ValueError(self._stepped_already(param, rows is owner))
-            if joining and isinstance(owner, StateOwner):  # the fused step steps every group
-                where = "optimizer.add_param_group"
-                with_defaults = {**self.optimizer.defaults, **group}  # as torch will fill it
-                path, reason = paths.choose(
-                    self.optimizer, with_defaults, amp_state.properties, where, owner.kind
-                )
-                if path != paths.FUSED:
-                    raise ValueError(
-                        f"{where}: the new group is one amp's fused step cannot step "
-                        f"({reason}), and it steps this {type(self.optimizer).__name__}'s other "
-                        "groups: an optimizer's groups share one path. Give it options the "
-                        "fused step computes, or pass every group to amp.initialize (an "
-                        "optimizer with such a group is then stepped by its own step)."
-                    )
-        masters = {}
-        if isinstance(owner, MasterCopies):
-            for position, (param, _) in enumerate(joining):
-                masters[id(param)] = master = new_master(param)
-                group["params"][group["params"].index(param)] = master
-        self.originals["add_param_group"](group)
-        for param, frozen in joining:
-            rest = frozen.pop(param)
-            if isinstance(owner, StateOwner):
-                owner.add(param, rest)
-            else:
-                master = masters[id(param)]
-                master.data = frozen.form.decode(param.detach(), rest).float()
-                master.requires_grad_(param.requires_grad)
-                owner.add(param, master)
-        self._plain = (None, [])
-        engines.anchor([self], amp_state.models)
-
-    def _stepped_already(self, param, here):
-        """add_param_group's error for a cast parameter an optimizer steps."""
-        if here:  # torch's words
-            return "some parameters appear in more than one parameter group"
-        return (
-            "optimizer.add_param_group: the parameter is stepped by another optimizer passed to "
-            "amp.initialize (with its master weight at O2); amp unscales and steps each "
-            "parameter through one optimizer. Add it to that optimizer, or leave it out here."
-        )
+    add_param_group = add_param_group  # param_groups.py's, which takes the record
 
 
 class _GradOf:

@@ -133,6 +133,7 @@ def test_a_bad_loss_on_another_rank_keeps_the_scale_on_every_rank(monkeypatch):
     try:
         step(model, optimizer, 0, bad=False)
         scale = scaler_state()
+        monkeypatch.setattr(distributed, "default_group", object)
         monkeypatch.setattr(distributed, "is_distributed", lambda: True)
         monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
         monkeypatch.setattr(torch.distributed, "get_backend", lambda *args: "gloo")

@@ -13,6 +13,7 @@ from helpers.cuda_emulation import build
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import end_to_end  # noqa: E402
+import module_walk  # noqa: E402
 import kernels as kernel_benchmark  # noqa: E402
 import o1_transformer  # noqa: E402
 import per_call  # noqa: E402
@@ -51,6 +52,17 @@ def test_run_all_quick_prints_the_summary():
         assert row in summary
     assert "did not train" not in summary
     assert "Ran on the CPU" in summary.splitlines()[-1]
+
+
+@pytest.mark.parametrize("form", list(module_walk.FORMS))
+def test_a_settled_o2_step_walks_at_most_9_modules_with_16_transitions(form):
+    """One owner per parameter's state: the step goes from the optimizer's record to the fused
+    step, the kernels and the rows' marks, and back, without bouncing between modules; a state
+    dict taken before costs later forwards nothing."""
+    step, before, after = module_walk.walk("adamw", torch.bfloat16, state_dict=True, form=form)
+    assert len(step.modules) <= 9 and step.transitions <= 16, " > ".join(step.visits)
+    assert step.visits[-4:] == ["weights/fused_step", "kernels", "weights/rows", "weights/optimizer"]
+    assert after == before
 
 
 def test_o1_transformer_runs_every_variant_at_its_smallest_size(capsys):
