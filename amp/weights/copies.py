@@ -46,7 +46,7 @@ class MasterCopies(Rows):
     def rest(self, row):
         return self.masters[row]
 
-    def _set_rest(self, row, rest):
+    def set_rest(self, row, rest):
         self.masters[row].data = rest  # the master keeps its identity: the optimizer holds it
 
     def add(self, param, master):

@@ -245,7 +245,7 @@ def _check_grads(owner, call, number):
             )
 
 
-def _launch(owner, call, made, found_inf, rests=None):
+def _launch(owner, call, made, found_inf, fp32_rests=None):
     params, rows, states = call.params, call.rows, call.states
     if made:  # the entries a first step made
         state = owner.optimizer.state
@@ -259,20 +259,20 @@ def _launch(owner, call, made, found_inf, rests=None):
     scales = [columns[i] for i in layout.scales] or None
     steps = None if layout.steps is None else columns[layout.steps]
     grads = [g.to_dense() if g.is_sparse else g for g in call.grads]  # SGD's, as torch adds
-    key = owner.form.key
+    rests = owner.rest_list
     if all(map(_NOT_NONE, rows, NONES)):
-        lows, masters = params, [state[key] for state in states]
+        lows, masters = params, list(map(rests.__getitem__, rows))
     else:  # a plain parameter is its own FP32 master, without a copy
         lows = [p if r is not None else None for p, r in zip(params, rows)]
-        masters = [s[key] if r is not None else p for p, r, s in zip(params, rows, states)]
+        masters = [rests[r] if r is not None else p for p, r in zip(params, rows)]
         if any(map(torch.is_complex, params)):  # stepped as torch does: their real views
             masters = list(map(_real, masters))
             grads = list(map(_real, grads))
             moments = [None if m is None else list(map(_real, m)) for m in moments]
-    if rests is not None:  # the FP32 masters, for the marks
+    if fp32_rests is not None:  # the FP32 masters, for the marks
         for row, master in zip(rows, masters):
             if row is not None:
-                rests[row] = master
+                fp32_rests[row] = master
     if owner.kind == "adam":
         kernels.adam_step_(
             grads, lows, masters, moments[0], moments[1], _on_device(steps, states, params),

@@ -22,7 +22,7 @@ import torch
 from .. import distributed
 from .._state import amp_state
 from ..apex_interop.optimizer_wrappers import wrapped_optimizers
-from . import engines, fused_step, optimizer_state, paths
+from . import engines, fused_step, optimizer_state
 from .copies import MasterCopies
 from .param_groups import add_param_group
 from .grad_stash import GradientStash

@@ -1,11 +1,12 @@
 """Optimizer state dicts at O2, loaded validate-then-commit.
 
-On the fused path (owner.py) the state dict is the optimizer's own: each parameter's entry holds
-its master's rest (`master_remainder`, `master_correction` or, for fp16 models, `master`), its
-moments in their form and its step. On the general path (copies.py) each master's FP32 value is
-added to its entry under `master` (the masters are no model parameters: torch's state dict does
-not hold their values). An entry's rest is the rest of the model's weight, so a checkpoint is
-loaded model first, then optimizer (as torch's distributed checkpoint's `set_state_dict` does).
+On the fused path (owner.py) the state dict is the optimizer's own (each parameter's moments in
+their form, its step) with each cast parameter's master's rest added to its entry
+(`master_remainder`, `master_correction` or, for fp16 models, `master`). On the general path
+(copies.py) each master's FP32 value is added under `master` (the masters are no model
+parameters: torch's state dict does not hold their values). An entry's rest is the rest of the
+model's weight, so a checkpoint is loaded model first, then optimizer (as torch's distributed
+checkpoint's `set_state_dict` does).
 
 Saving only reads: a row whose weight was written from outside amp since its last step saves the
 rest that write left (none), not the live one. A load converts each entry to this run's form
@@ -91,6 +92,29 @@ def _params(optimizer):
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
+def _by_position(state_dict):
+    """`state_dict` with its parameters named by their position in its groups, as torch's own
+    state dict names them: torch's load maps whatever names the groups list to the parameters
+    in order (torch's distributed checkpoint names them by their qualified names)."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        return state_dict
+    names = [name for group in groups for name in group.get("params", ())]
+    if names == list(range(len(names))):
+        return state_dict
+    try:
+        position = {name: index for index, name in enumerate(names)}
+    except TypeError:  # unhashable names: torch's load says what is wrong
+        return state_dict
+    state_dict["param_groups"] = [
+        dict(group, params=[position[name] for name in group.get("params", ())])
+        for group in groups
+    ]
+    entries = state_dict["state"]
+    state_dict["state"] = {position.get(key, key): entry for key, entry in entries.items()}
+    return state_dict
+
+
 def saved(optimizer, owner, state):
     """The optimizer's own state dict `state` with the masters (see the module doc); the live
     state is not touched."""
@@ -103,7 +127,8 @@ def saved(optimizer, owner, state):
         if general:
             entries[index] = dict(entries.get(index, {}), master=owner.value(row).detach())
         else:  # as its value has it now (a write not yet taken in included)
-            entries[index] = dict(entries[index], **{owner.form.key: owner.saved_rest(row)})
+            entry = entries.get(index, {})
+            entries[index] = dict(entry, **{owner.form.key: owner.saved_rest(row)})
     return state
 
 
@@ -112,7 +137,7 @@ def loading(optimizer, owner, state_dict):
     a clear error, changing nothing."""
     if not hasattr(state_dict, "get") or not isinstance(state_dict.get("state"), dict):
         return state_dict, None  # torch's load says what is wrong
-    state_dict = dict(state_dict)
+    state_dict = _by_position(dict(state_dict))
     entries = dict(state_dict["state"])
     if MASTER_PARAMS_KEY in state_dict:
         _merge_older(entries, state_dict.pop(MASTER_PARAMS_KEY))
@@ -133,7 +158,7 @@ def loading(optimizer, owner, state_dict):
             "would keep this run's values. Load a checkpoint saved by an optimizer set up the same "
             "way, or one without masters (they then keep the model's values)."
         )
-    converted, writes = {}, []
+    converted, writes, rests, rests_alone = {}, [], [], []
     for index, entry in entries.items():
         if not (isinstance(index, int) and 0 <= index < len(params)):
             raise ValueError(
@@ -167,11 +192,17 @@ def loading(optimizer, owner, state_dict):
         if key is not None:
             entry[key] = entry[key].to(_rest_dtype(key))
         new = form.from_torch(entry, param, in_form, low=param.detach() if row is not None else None)
-        if row is not None and form.master.key not in new:  # no masters: they stay as they are
-            new[form.master.key] = owner.rest(row)
-        entries[index] = converted[index] = new
+        rest = new.pop(form.master.key, None)  # the owner holds it; none: it stays as it is
+        if row is not None and rest is not None:
+            rests.append((row, rest))
+        if new:
+            entries[index] = converted[index] = new
+        else:  # a rest alone: the parameter has no state until its first step
+            rests_alone.append(index)
+    for index in rests_alone:
+        del entries[index]
     state_dict["state"] = entries
-    return state_dict, (converted, writes, OptimizerSnapshot(optimizer))
+    return state_dict, (converted, writes, rests, OptimizerSnapshot(optimizer))
 
 
 def loaded(optimizer, owner, pending):
@@ -179,7 +210,7 @@ def loaded(optimizer, owner, pending):
     rows marked (on an error the optimizer's state before comes back)."""
     if pending is None:
         return
-    converted, writes, before = pending
+    converted, writes, rests, before = pending
     try:
         params = _params(optimizer)
         state = optimizer.state
@@ -191,9 +222,12 @@ def loaded(optimizer, owner, pending):
                         live[key] = value.to(params[index].device)
             for row, value in writes:
                 owner.set_value(row, value)
+            rests = [(row, rest.to(owner.params[row].device)) for row, rest in rests]
     except BaseException:  # what the checks could not foresee: the old state stays
         before.restore()
         raise
+    for row, rest in rests:  # the owner's (after every step that can fail)
+        owner.set_rest(row, rest)
     owner.mark()
     owner.refresh()
     amp_state.cast_cache.clear()

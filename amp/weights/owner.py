@@ -3,12 +3,14 @@ fused_step.py): the one place that holds, for each parameter, its master's rest,
 their stored form, its step count and its gradient until the step.
 
 What the user holds is real. `optimizer.param_groups` hold the model's own parameters (bf16 or
-fp16, batch norm's FP32 ones), never a copy or a placeholder, and each parameter's
-`optimizer.state` entry holds all of its state (forms.py): so `optimizer.state_dict()` is that
-state as it is (torch's format with `fp32` moments, plus the master's rest), and torch's
-distributed checkpoint (`get_state_dict` / `set_state_dict`) maps it to the model's names. A
-cast parameter's FP32 value is its weight and its rest (rows.py): FP32 masters (fp16 models),
-bf16 weights with int16 remainders (exact) or int8 corrections (compact).
+fp16, batch norm's FP32 ones), never a copy or a placeholder, and `optimizer.state` is what
+torch's step would keep, made when torch's would be (a parameter's first step): its moments in
+their form (forms.py) and its step count. A cast parameter's FP32 value is its weight and its
+rest (rows.py: FP32 masters for fp16 models, bf16 weights with int16 remainders (exact) or int8
+corrections (compact)), held here; `optimizer.state_dict()` adds each rest to its parameter's
+entry (optimizer_state.py), so that a checkpoint, and torch's distributed checkpoint
+(`get_state_dict` / `set_state_dict`, whose template torch's own first-step call makes), carry
+them under the model's names.
 
 Gradients: scale_loss's exit leaves a cast parameter's gradient in low precision and still
 scaled, checked (`keep`), and the step unscales it as it reads it; an accumulation over blocks,
@@ -19,7 +21,6 @@ what torch's first step finds), only once it is known to be taken, and changes n
 refuses a group; a step skipped on the device changes no bit.
 """
 
-import operator
 import weakref
 
 import torch
@@ -67,18 +68,8 @@ class StateOwner(Rows):
         self._handed_weak = {}
         self._handed_from = {}  # {row: the gradient its value's was made from}
         self.copies = {}  # {row: (the model's .grad amp placed as a copy, its version)}
-        self._key = operator.itemgetter(form.master.key)
 
-    # -- the rests, in the parameters' state entries ---------------------------------------------
-
-    def rests(self):
-        return list(map(self._key, map(self.optimizer.state.__getitem__, self.params)))
-
-    def rest(self, row):
-        return self.optimizer.state[self.params[row]][self.form.key]
-
-    def _set_rest(self, row, rest):
-        self.optimizer.state[self.params[row]][self.form.key] = rest
+    # -- the rows --------------------------------------------------------------------------------
 
     def add(self, param, rest=None):
         """A row for the cast parameter `param`: FP32 (initialize; it becomes its weight, amp's
@@ -91,10 +82,7 @@ class StateOwner(Rows):
                 grad, param.grad = param.grad.detach().float(), None
             else:
                 grad = None
-        entry = self.optimizer.state[param]
-        entry[self.form.key] = rest
-        if self.kind == "adam":  # torch's Adam takes an entry with no step count for corrupt
-            entry.setdefault("step", torch.zeros((), dtype=torch.float32, device=param.device))
+        self.rest_list.append(rest)
         row = self._add(param)
         if grad is not None:
             self.grads[row] = grad
@@ -105,13 +93,16 @@ class StateOwner(Rows):
     def convert_state(self, param, index):
         """`param`'s state entry, as loaded before amp.initialize (torch's format, any form, the
         dtypes torch's load cast), in this form; the master's rest is made from the parameter."""
-        entry = self.optimizer.state.get(param)
+        state = self.optimizer.state
+        entry = state.get(param)
         if entry:
             in_form = self.state_form.in_form(param, id(param) in self.index)
             check_entry(entry, param, index)
             converted = self.state_form.from_torch(entry, param, in_form)
             entry.clear()
             entry.update(converted)
+        if param in state and not state[param]:  # a rest alone (the parameter's value holds it)
+            del state[param]
 
     # -- the parameters, the gradients ------------------------------------------------------------
 

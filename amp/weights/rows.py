@@ -85,21 +85,23 @@ class Rows:
         self.params = []
         self.index = {}  # id(param) -> row
         self.lent = LentValues()  # FP32 values handed out for rows without an FP32 tensor
+        self.rest_list = []  # each row's rest (but where the owner keeps them elsewhere: copies.py)
         self.marks = [[] for _ in MARKS]  # a list per columns.MARKS: each row's, as amp wrote it
         self.rest_versions = []
         self.rests_seen = []  # FP32 rests as marked: their versions are compared, not looked up
 
-    # -- where the rests are (the owner's) ------------------------------------------------------
+    # -- the rests --------------------------------------------------------------------------
 
     def rests(self):
-        raise NotImplementedError
+        return self.rest_list
 
     def rest(self, row):
-        return self.rests()[row]
+        return self.rest_list[row]
 
-    def _set_rest(self, row, rest):
-        """The row's rest becomes `rest` (a new tensor: a shape the model's write changed)."""
-        raise NotImplementedError
+    def set_rest(self, row, rest):
+        """The row's rest becomes `rest` (a new tensor: a load, a shape the model's write
+        changed)."""
+        self.rest_list[row] = rest
 
     # -- marks --------------------------------------------------------------------------------
 
@@ -211,7 +213,7 @@ class Rows:
             if param.dtype not in LOW_PRECISION:
                 pass  # replaced by FP32 data: nothing to keep
             elif param.shape != self.rest(row).shape:
-                self._set_rest(row, self.form.empty_rest(param))
+                self.set_rest(row, self.form.empty_rest(param))
             elif rest_written:  # the FP32 side wins
                 param.copy_(self.rest(row))
             elif self.form.name == FP32:  # the elements the write changed
@@ -233,25 +235,12 @@ class Rows:
 
 
 class FrozenRows(Rows):
-    """Rows whose rests this object keeps: the cast parameters no optimizer steps (one table per
-    initialize), and the rows a copy of a model carries for its parameters."""
-
-    def __init__(self, form):
-        super().__init__(form)
-        self._rests = []
-
-    def rests(self):
-        return self._rests
-
-    def rest(self, row):
-        return self._rests[row]
-
-    def _set_rest(self, row, rest):
-        self._rests[row] = rest
+    """The rows of the cast parameters no optimizer steps (one table per initialize), and the rows
+    a copy of a model carries for its parameters."""
 
     def add(self, param, rest):
         """A row for `param` whose rest is `rest` (they agree: amp has just written both)."""
-        self._rests.append(rest)
+        self.rest_list.append(rest)
         row = self._add(param)
         self.mark_row(row)
         return row
@@ -259,7 +248,7 @@ class FrozenRows(Rows):
     def pop(self, param):
         """Remove `param`'s row; returns its rest (it joins an optimizer)."""
         row = self.index[id(param)]
-        rest = self._rests.pop(row)
+        rest = self.rest_list.pop(row)
         for column in (self.params, *self.marks, self.rest_versions, self.rests_seen):
             del column[row]
         self._reindex()
@@ -271,14 +260,14 @@ class FrozenRows(Rows):
         # A copy's tensors count versions anew: a write not yet taken in is taken in the copy
         # from whether each side was written, which the copy keeps.
         rows = range(len(self.params))
-        state = dict(form=self.form, params=self.params, rests=self._rests)
+        state = dict(form=self.form, params=self.params, rests=self.rest_list)
         state["written"] = [self.param_written(r) for r in rows]
         state["rest_written"] = [self._rest_written(r) for r in rows]
         return state
 
     def __setstate__(self, state):
         Rows.__init__(self, state["form"])
-        self._rests = state["rests"]
+        self.rest_list = state["rests"]
         self.params = state["params"]
         self._reindex()
         self.mark()

@@ -1,36 +1,20 @@
-"""amp's fused master step at O2 (amp/weights/fused_step.py, owner.py): torch.optim's AdamW,
-Adam and SGD stepped in one pass that leaves masters and optimizer state as the optimizer's own
-step on FP32 masters would (the general path, AMP_FUSED_STEP=0), the model's weights their
-rounding (exact ties away from zero for a bf16 model's exact masters); the general path for
-everything else; no host read where the device decides (the skip is learned later); the CuPy path
-keeps gradients low precision until the step."""
+"""amp's fused master step at O2 (amp/weights/fused_step.py): torch.optim's AdamW, Adam and SGD
+stepped in one pass that leaves masters and optimizer state as the optimizer's own step on FP32
+masters would (the general path, AMP_FUSED_STEP=0), the model's weights their rounding (exact
+ties away from zero for a bf16 model's exact masters); the general path for everything else; no
+host read where the device decides (the skip is learned later); hooks and profilers as around
+torch's step; plain parameters of other dtypes and complex ones stepped as torch steps them."""
 
-import sys
+import math
 
 import pytest
 import torch
 
 import amp
-from helpers import ROOT
-from helpers.floats import bits
+from helpers.floats import bits, ulps
+from helpers.fused import ADAMS, IDS, SGDS, assert_bitwise_states, state_of, train
 from helpers.models import inject, loss_of, make_model
 from helpers.o2 import general_path
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import device_work  # noqa: E402
-
-ADAMS = [
-    (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
-    (torch.optim.Adam, dict(lr=0.01, weight_decay=0.1)),
-    (torch.optim.Adam, dict(lr=0.01)),
-]
-SGDS = [
-    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
-    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
-    (torch.optim.SGD, dict(lr=0.1, momentum=0.8, dampening=0.25)),
-    (torch.optim.SGD, dict(lr=0.1)),
-]
-IDS = ["adamw", "adam-l2", "adam", "sgd-momentum", "sgd-nesterov", "sgd-dampening", "sgd"]
 
 
 @pytest.fixture
@@ -46,74 +30,6 @@ def fused_calls(monkeypatch):
 
         monkeypatch.setattr(amp.kernels, name, counting)
     return calls
-
-
-def train(
-    cls,
-    options,
-    steps=4,
-    dtype=torch.bfloat16,
-    general=False,
-    batch_norm=True,
-    hook=None,
-    inside=None,
-    width=None,
-):
-    """An O2 model trained `steps` steps; `general` forces the general path (AMP_FUSED_STEP=0). The
-    optimizer is torch's fused implementation, the one amp's torch backend runs, so that its own
-    steps (the first, and the general path's) compute what the fused step does."""
-    sizes = dict(inputs=width, hidden=2 * width, outputs=width) if width else {}
-    model = make_model(batch_norm=batch_norm, **sizes)
-    loss_sizes = dict(inputs=width, outputs=width) if width else {}
-    fused = {"fused": True} if cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD) else {}
-    optimizer = cls(model.parameters(), **options, **fused)
-    with general_path(general):
-        model, optimizer = amp.initialize(
-            model, optimizer, opt_level="O2", dtype=dtype, verbosity=0
-        )
-    for step in range(steps):
-        optimizer.zero_grad()
-        with amp.scale_loss(loss_of(model, step, **loss_sizes), optimizer) as scaled:
-            scaled.backward()
-            if inside is not None:  # the model's gradients, still scaled
-                inside(step, model, optimizer)
-        if hook is not None:
-            hook(step, model, optimizer)
-        optimizer.step()
-    return model, optimizer
-
-
-def state_of(model, optimizer):
-    weights = [p.detach().clone() for p in model.parameters()]
-    masters = [p.detach().clone() for p in amp.master_params(optimizer)]
-    return weights, masters, optimizer.state_dict()
-
-
-_RESTS = ("master", "master_remainder", "master_correction")
-
-
-def assert_bitwise_states(a, b):
-    """The same masters and moments bit for bit; the same weights, but where an exact master's
-    weight took a tie away from zero and an FP32 master's to even (their masters agree)."""
-    (weights_a, masters_a, opt_a), (weights_b, masters_b, opt_b) = a, b
-    for x, y in zip(masters_a, masters_b, strict=True):
-        assert x.dtype == y.dtype and torch.equal(bits(x), bits(y))
-    for x, y in zip(weights_a, weights_b, strict=True):
-        assert x.dtype == y.dtype
-        if not torch.equal(x, y):  # only at ties: a master whose low 16 bits are 0x8000
-            master = next(m for m in masters_a if m.shape == x.shape and torch.equal(
-                m.to(x.dtype)[x == y], x[x == y]))
-            assert ((bits(master) & 0xFFFF)[x != y] == 0x8000).all()
-    for index, state in opt_a["state"].items():
-        theirs = opt_b["state"].get(index, {})
-        for key, value in state.items():
-            if key in _RESTS:  # the master's form: compared as the masters above
-                continue
-            if key == "step" and key not in theirs:  # an exact master's entry never stepped
-                assert value.item() == 0 and not set(state) - {"step", *_RESTS}, index
-                continue
-            other = theirs[key]
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (index, key)
 
 
 @pytest.mark.usefixtures("deinitialized")
@@ -281,293 +197,6 @@ def test_a_skip_learned_later_is_reported_when_it_arrives_or_is_asked_for(copies
     assert copies_in_flight == []
 
 
-# -- the CuPy path: gradients low precision until the step ---------------------------------------
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize("batch_norm", [False, True], ids=["masters", "masters-and-plain"])
-@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[1]], ids=["adamw", "sgd-nesterov"])
-def test_the_cupy_path_unscales_in_place_at_the_exit_and_steps_the_models_gradients(
-    emulated_cupy, one_thread, cls, options, batch_norm
-):
-    """Bit for bit the torch backend's steps where torch's CPU op has no scalar loop (one
-    thread, sizes of whole vectors: tests/kernels/test_fused_step.py). The exit unscales the bf16
-    gradients in place (exact: a power of two) and leaves them in the model's `.grad`, which the
-    step reads: no FP32 master gradient is made. A group holding the batch norm's plain FP32
-    parameters too steps them from their own (FP32, unscaled) gradients."""
-    seen = []
-
-    def look(step, model, optimizer):
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        seen.append([p.grad.dtype for p in params[:2]])
-
-    model, optimizer = train(cls, options, steps=4, batch_norm=batch_norm, hook=look, width=16)
-    names = [name for name, _, _ in emulated_cupy.calls]
-    assert seen[3] == [torch.bfloat16] * 2  # the model's own, unscaled: no FP32 made
-    assert "amp_unscale<__nv_bfloat16>" in names
-    steps = ("amp_compact_adam<__nv_bfloat16, amp::Remainder", "amp_compact_sgd<__nv_bfloat16, "
-             "amp::Remainder")
-    assert any(name.startswith(steps) for name in names)
-    ours = state_of(model, optimizer)
-    amp.deinitialize()
-    reference = state_of(
-        *train(cls, options, steps=4, batch_norm=batch_norm, general=True, width=16)
-    )
-    assert_bitwise_states(ours, reference)
-
-
-def _read_and_drop_one(seen):
-    """A hook between the exit and the step: every master's gradient read through
-    amp.master_params, the first master's set to None (it is not stepped then)."""
-
-    def hook(step, model, optimizer):
-        masters = list(amp.master_params(optimizer))
-        seen.append([m.grad.clone() for m in masters])
-        masters[0].grad = None
-
-    return hook
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize("batch_norm", [False, True], ids=["masters", "masters-and-plain"])
-@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd-momentum"])
-def test_a_kept_gradient_read_or_written_through_master_params_is_the_fp32_one(
-    emulated_cupy, one_thread, cls, options, batch_norm
-):
-    """The masters' gradients read through amp.master_params between the exit and the step are
-    the FP32 unscaled gradients the general path has there, and a write to them counts for the
-    step; the param groups hold the model's parameters throughout."""
-    ours_seen, theirs_seen = [], []
-    model, optimizer = train(
-        cls, options, batch_norm=batch_norm, width=16, hook=_read_and_drop_one(ours_seen)
-    )
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    assert all(any(p is q for q in model.parameters()) for p in held)
-    ours = state_of(model, optimizer)
-    amp.deinitialize()
-    model, optimizer = train(
-        cls,
-        options,
-        batch_norm=batch_norm,
-        width=16,
-        general=True,
-        hook=_read_and_drop_one(theirs_seen),
-    )
-    theirs = state_of(model, optimizer)
-    for a, b in zip(sum(ours_seen, []), sum(theirs_seen, []), strict=True):
-        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
-    assert_bitwise_states(ours, theirs)
-
-
-@pytest.mark.usefixtures("deinitialized")
-def test_zero_grad_drops_kept_gradients_without_making_them(emulated_cupy):
-    made = []
-
-    def dropped(step, model, optimizer):
-        original = amp.kernels.unscale_to_
-        amp.kernels.unscale_to_ = lambda *args, **kwargs: (
-            made.append(1) or original(*args, **kwargs)
-        )
-        try:
-            optimizer.zero_grad()
-        finally:
-            amp.kernels.unscale_to_ = original
-        masters = list(amp.master_params(optimizer))
-        made.append([m.grad for m in masters] == [None] * len(masters))
-
-    train(torch.optim.AdamW, dict(lr=0.01), batch_norm=False, hook=dropped)
-    assert made == [True] * 4
-
-
-@pytest.mark.usefixtures("deinitialized")
-def test_the_cupy_path_names_the_overflowing_parameters_from_its_check(emulated_cupy):
-    def overflow(step, model, optimizer):
-        if step == 3:
-            inject(model[2].weight, "nan")
-
-    train(torch.optim.AdamW, dict(lr=0.01), batch_norm=False, inside=overflow)
-    assert amp.last_overflow().params == ("2.weight",)
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize(
-    "cls, options, kernel_bytes, per_tensor",
-    [(torch.optim.AdamW, dict(lr=0.01), 4 + 26, 12), (torch.optim.SGD, SGDS[0][1], 4 + 18, 0)],
-    ids=["adamw", "sgd-momentum"],
-)
-def test_the_cupy_path_moves_the_bytes_of_one_pass_per_parameter(
-    emulated_cupy, cls, options, kernel_bytes, per_tensor
-):
-    """After backward the kernels unscale each BF16 gradient in place at the exit (read and
-    written once) and read it once in the step, which reads the BF16 weight, its int16 remainder
-    and the state and writes them back (benchmarks/device_work.py's kernel_traffic); torch's own
-    ops there do not grow with the model (the scale update, the flags' copy to the host). Adam's
-    step count is read and counted per tensor (`per_tensor` bytes)."""
-    found = {}
-    for width in (16, 32):
-        model, optimizer = train(cls, options, steps=2, batch_norm=False, width=width)
-        params = list(model.parameters())
-        count = sum(p.numel() for p in params)
-        counter = device_work.DeviceWork()
-        with device_work.kernel_traffic() as kernels, counter:
-            optimizer.zero_grad()
-            with amp.scale_loss(loss_of(model, 2, inputs=width, outputs=width), optimizer) as s:
-                s.backward()
-            optimizer.step()
-        assert kernels.bytes == kernel_bytes * count + per_tensor * len(params)
-        found[width] = counter.phases["after backward"].bytes
-        amp.deinitialize()
-    assert found[16] == found[32]
-
-
-@pytest.mark.usefixtures("deinitialized")
-def test_deinitialize_between_the_exit_and_the_step_hands_the_gradients_back(emulated_cupy):
-    """The FP32 model the undo gives back holds the unscaled gradients the general path's masters
-    held, deferred or not."""
-    found = []
-    for general in (False, True):
-        model, optimizer = train(
-            torch.optim.AdamW, dict(lr=0.01), batch_norm=False, general=general
-        )
-        optimizer.zero_grad()
-        with amp.scale_loss(loss_of(model, 5), optimizer) as scaled:
-            scaled.backward()
-        amp.deinitialize()
-        found.append([p.grad for p in model.parameters()])
-    for ours, theirs in zip(*found, strict=True):
-        assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize("clip", [False, True], ids=["deferred", "clipped"])
-def test_the_cupy_path_packs_its_step_launches_once_for_masters_and_plain_parameters(
-    emulated_cupy, monkeypatch, clip
-):
-    """The step kernels' launch plans (amp.kernels' CuPy backend keeps them by the tensors they
-    cover) are reused from step to step when a group holds masters and batch norm's plain
-    parameters, and when a clipping made the masters' gradients FP32 (one call with rows without
-    a copy): packed at the first step only."""
-    from amp.kernels import _cupy_device
-
-    packed = []
-    original = _cupy_device._layout.plan
-
-    def plan(*args, **kwargs):
-        packed.append(len(marks))
-        return original(*args, **kwargs)
-
-    def step_planned(*args, _planned=_cupy_device.planned):
-        with monkeypatch.context() as patch:
-            patch.setattr(_cupy_device._layout, "plan", plan)
-            return _planned(*args)
-
-    monkeypatch.setattr(_cupy_device, "planned", step_planned)
-    marks = []
-
-    def mark(step, model, optimizer):
-        marks.append(step)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
-
-    train(torch.optim.AdamW, dict(lr=0.01), steps=5, batch_norm=True, hook=mark)
-    assert packed == [1, 1]  # the masters' rows and the plain parameters', at the first step
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize("cls, options", [ADAMS[0], SGDS[0]], ids=["adamw", "sgd-momentum"])
-def test_the_cupy_path_unscales_by_the_scale_the_loss_had_when_the_scale_grows(
-    emulated_cupy, one_thread, cls, options
-):
-    """The exit's update doubles the live scale before the step reads the deferred gradients:
-    they are unscaled by the one their loss was scaled with (a copy the check keeps)."""
-    from amp._state import amp_state
-
-    def grow_every_step(step, model, optimizer):
-        if step == 0:
-            amp_state.loss_scalers[0].growth_interval = 1
-
-    model, optimizer = train(cls, options, batch_norm=True, width=16, inside=grow_every_step)
-    assert amp_state.loss_scalers[0].loss_scale() == 2.0**16 * 2**4
-    ours = state_of(model, optimizer)
-    amp.deinitialize()
-    reference = train(cls, options, batch_norm=True, width=16, inside=grow_every_step, general=True)
-    assert_bitwise_states(ours, state_of(*reference))
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_between_the_exit_and_the_step_is_the_general_paths(
-    emulated_cupy, one_thread, set_to_none
-):
-    """Zeroed (not dropped) gradients are stepped with, as the general path's FP32 ones are."""
-
-    def zero(step, model, optimizer):
-        if step == 2:
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-    options = dict(lr=0.01, weight_decay=0.1)
-    ours = state_of(*train(torch.optim.AdamW, options, hook=zero, width=16))
-    amp.deinitialize()
-    theirs = state_of(*train(torch.optim.AdamW, options, hook=zero, width=16, general=True))
-    assert_bitwise_states(ours, theirs)
-
-
-@pytest.mark.usefixtures("deinitialized")
-def test_a_copy_of_the_optimizer_between_the_exit_and_the_step_holds_plain_parameters(
-    emulated_cupy,
-):
-    import copy
-
-    copies = []
-    train(
-        torch.optim.AdamW,
-        dict(lr=0.01),
-        batch_norm=False,
-        hook=lambda step, model, optimizer: copies.append(copy.deepcopy(optimizer)),
-    )
-    params = [p for group in copies[-1].param_groups for p in group["params"]]
-    assert {type(p) for p in params} == {torch.nn.Parameter}
-
-
-def _two_optimizers_one_scaler(general, delay_overflow_check):
-    """Two O2 models and optimizers sharing loss scaler 0, each its own block before the steps,
-    the scale growing at every clean update; the masters after two steps."""
-    from amp._state import amp_state
-
-    sizes = dict(inputs=16, hidden=32, outputs=16)
-    models = [make_model(batch_norm=False, seed=seed, **sizes) for seed in (0, 1)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True) for m in models]
-    with general_path(general):
-        models, optimizers = amp.initialize(
-            models, optimizers, opt_level="O2", dtype=torch.bfloat16, verbosity=0
-        )
-    amp_state.loss_scalers[0].growth_interval = 1
-    for step in range(3):
-        for index, (model, optimizer) in enumerate(zip(models, optimizers)):
-            optimizer.zero_grad()
-            loss = loss_of(model, step, inputs=16, outputs=16)
-            delay = delay_overflow_check and index == 0
-            with amp.scale_loss(loss, optimizer, delay_overflow_check=delay) as scaled:
-                scaled.backward()
-        for optimizer in optimizers:
-            optimizer.step()
-    return [state_of(model, optimizer) for model, optimizer in zip(models, optimizers)]
-
-
-@pytest.mark.usefixtures("deinitialized")
-@pytest.mark.parametrize("delay_overflow_check", [False, True], ids=["checked", "delayed-check"])
-def test_deferred_gradients_keep_their_scale_while_another_block_changes_it(
-    emulated_cupy, one_thread, delay_overflow_check
-):
-    """A later block's exit (its check, its update of the shared scaler) comes between the first
-    block's exit and its step: the first block's gradients are unscaled by their own scale."""
-    ours = _two_optimizers_one_scaler(False, delay_overflow_check)
-    amp.deinitialize()
-    theirs = _two_optimizers_one_scaler(True, delay_overflow_check)
-    for a, b in zip(ours, theirs, strict=True):
-        assert_bitwise_states(a, b)
-
-
 @pytest.mark.usefixtures("deinitialized")
 def test_step_hooks_run_around_the_fused_step_as_around_torchs(fused_calls):
     """A step hook (a profiler, a logger, a callback; the optimizer's own or torch's global one)
@@ -628,3 +257,281 @@ def test_a_profiler_sees_the_fused_step_under_torchs_name(fused_calls):
         optimizer.step()
     assert len(fused_calls) == 3  # the two training steps and this one
     assert "Optimizer.step#AdamW.step" in {event.name for event in profile.events()}
+
+
+def _stepped(model, cls, options, general, steps=3):
+    """The masters and the optimizer's state tensors after `steps` O2 steps of `model`: amp's
+    fused step, or (`general`) the optimizer's own (AMP_FUSED_STEP=0)."""
+    optimizer = cls(model.parameters(), **options)
+    with general_path(general):
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+        )
+    for step in range(steps):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    masters = [p.detach().clone() for p in amp.master_params(optimizer)]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [  # torch's keys, in the order of the parameters
+        value.clone()
+        for param in params
+        for key, value in sorted(optimizer.state.get(param, {}).items())
+        if value is not None and not key.startswith("master") and key != "step"
+    ]
+    return masters, state
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_o2_sgd_with_momentum_is_within_an_ulp_of_the_default_for_loop_sgd(one_thread):
+    """The contract (README, kernels.sgd_step_): bit for bit torch's fused SGD
+    (tests/weights/test_fused_step.py), within an ulp of its for-loop / foreach SGD, whose
+    rounding differs from the fused op's scalar loop over a tensor's tail (three fused steps
+    after the first; make_model's biases of 8 and 2 elements go through that loop)."""
+    options = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    ours = _stepped(make_model(), torch.optim.SGD, options, False, steps=4)
+    amp.deinitialize()
+    theirs = _stepped(make_model(), torch.optim.SGD, options, True, steps=4)
+    distances = [
+        int(ulps(a, b).max()) for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True)
+    ]
+    assert max(distances) == 1  # not 0: the case reaches the scalar loop
+
+
+class _WithAComplexParameter(torch.nn.Module):
+    """A cast Linear and a complex parameter (plain: O2 casts only real floating parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 2)
+        self.phase = torch.nn.Parameter(torch.randn(2, dtype=torch.complex64))
+
+    def forward(self, x):
+        return (self.linear(x).float() * self.phase).real
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize(
+    "cls, options",
+    [
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+        (torch.optim.Adam, dict(lr=0.01)),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    ],
+    ids=["adamw", "adam", "sgd"],
+)
+def test_a_complex_parameter_is_stepped_as_the_optimizer_steps_it(cls, options):
+    """torch's for-loop optimizers step complex parameters as their real views, and so does the
+    fused step (its fused op on the views): within an ulp of them (the fused op's vector body
+    and torch's for-loop round the last update apart, as for real parameters)."""
+    ours, _ = _stepped(_WithAComplexParameter(), cls, options, False)
+    amp.deinitialize()
+    theirs, _ = _stepped(_WithAComplexParameter(), cls, options, True)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype
+        a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a, b))
+        assert int(ulps(a, b).max()) <= 1
+
+
+class _WithAFloat64Parameter(torch.nn.Module):
+    """A cast Linear, a batch norm kept FP32 and a float64 parameter: the group's plain
+    parameters have two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 2)
+        self.norm = torch.nn.BatchNorm1d(2)
+        self.offset = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.norm(self.linear(x)).float() + self.offset.float()
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize(
+    "cls, options",
+    [
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1, fused=True)),
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, fused=True)),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_plain_parameters_of_two_dtypes_in_one_group_are_stepped_as_the_optimizer_does(
+    cls, options
+):
+    """A plain parameter is stepped in its own dtype (the torch backend made FP32 copies of every
+    gradient of a call that was not all FP32, and torch's fused op raised "expected scalar type
+    Double but found Float" from the second step on)."""
+    ours = _stepped(_WithAFloat64Parameter(), cls, options, False)
+    amp.deinitialize()
+    theirs = _stepped(_WithAFloat64Parameter(), cls, options, True)
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_a_users_wrapper_of_the_step_runs_at_every_step():
+    """A wrapper the user put on `optimizer.step` before initialize (functools.wraps over the
+    class's step, as LR schedulers do) is the optimizer's step: amp's fused step must not take
+    its place (only an LR scheduler's own wrapper, which just marks the call, may be passed)."""
+    import functools
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ran = []
+    own_step = type(optimizer).step
+
+    @functools.wraps(own_step)
+    def step(*args, **kwargs):
+        ran.append(True)
+        return own_step(optimizer, *args, **kwargs)
+
+    optimizer.step = step
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    for index in range(4):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, index), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    assert len(ran) == 4
+
+
+# -- exact masters against torch's own fused step -------------------------------------------------
+
+# Halfway between bf16 neighbours: torch's cast takes the first two to the even neighbour toward
+# zero, the third to the even one away from zero (where ties away from zero take it too).
+_TIES = [1.0 + 2.0**-8, -(1.0 + 2.0**-8), 1.0 + 2.0**-7 + 2.0**-8]
+
+
+def _two_groups(kind, params):
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.003, "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1, fused=True)
+    return torch.optim.SGD(groups, lr=0.05, momentum=0.9, weight_decay=0.01, fused=True)
+
+
+def _weights_off_torchs_cast(weights, masters):
+    """(weights one bf16 ulp from torch's cast of their master, the masters at a tie that torch's
+    round-to-nearest-even takes toward zero): the two counts are equal where the weights are the
+    masters rounded with ties away from zero."""
+    off = ties = 0
+    for weight, master in zip(weights, masters, strict=True):
+        cast = master.to(torch.bfloat16)
+        off += int((weight != cast).sum())
+        at_tie = (bits(master) & 0xFFFF) == 0x8000
+        ties += int((at_tie & (cast.float().abs() < master.abs())).sum())
+    return off, ties
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_exact_masters_are_torchs_fused_step_on_fp32_copies_at_every_step(kind):
+    """amp.master_params after each step equal, bit for bit, torch's fused AdamW / SGD stepping
+    FP32 copies with the FP32 gradients amp.master_params reported after the scale_loss block (two
+    groups, a skipped step between). The model's weights are the masters rounded to nearest, ties
+    away from zero: they differ from torch's cast exactly at the ties it rounds to even toward
+    zero (planted at the start: none is met by chance here)."""
+    model = make_model(inputs=16, hidden=32, outputs=16)
+    with torch.no_grad():
+        model[0].weight.view(-1)[: len(_TIES)] = torch.tensor(_TIES)
+    optimizer = _two_groups(kind, list(model.parameters()))
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    copies = [m.detach().clone() for m in amp.master_params(optimizer)]
+    reference = _two_groups(kind, copies)
+    counts = [_weights_off_torchs_cast(list(model.parameters()), copies)]
+    assert counts[0] == (2, 2)
+    for step in range(6):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step, inputs=16, outputs=16), optimizer) as scaled:
+            scaled.backward()
+            if step == 2:
+                inject(model[0].weight)  # skipped: neither side steps
+        if step != 2:
+            for copy, master in zip(copies, amp.master_params(optimizer)):
+                copy.grad = master.grad.detach().clone()
+            reference.step()
+        optimizer.step()
+        masters = [m.detach() for m in amp.master_params(optimizer)]
+        for ours, theirs in zip(masters, copies, strict=True):
+            assert torch.equal(bits(ours), bits(theirs)), step
+        off, ties = _weights_off_torchs_cast(list(model.parameters()), copies)
+        assert off == ties, step
+        counts.append((off, ties))
+    assert counts[1:] == [(0, 0)] * 6
+
+
+# -- what a step refuses, and what it takes ------------------------------------------------------
+
+
+def _sgd_run(refuse_first, steps=3):
+    """O2 bf16 SGD with momentum over two groups; with `refuse_first`, the first step finds a
+    tensor lr in the second group (a scheduler's), is refused, and the user puts a number back."""
+    model = make_model(inputs=16, hidden=32, outputs=16)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(
+        [{"params": params[:2]}, {"params": params[2:]}], lr=0.1, momentum=0.9
+    )
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+    )
+    for step in range(steps):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step, inputs=16, outputs=16), optimizer) as scaled:
+            scaled.backward()
+        if refuse_first and step == 0:
+            optimizer.param_groups[1]["lr"] = torch.tensor(0.1)
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match=r"param_groups\[1\].*Nothing was changed"):
+                optimizer.step()
+            assert not optimizer.state  # no state made for the first group either
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            optimizer.param_groups[1]["lr"] = 0.1
+        optimizer.step()
+    return state_of(model, optimizer)
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_a_step_refused_for_a_later_group_changes_nothing_and_the_next_is_a_first_step():
+    """Every group is planned before any state is made (SGD's momentum was half a clean run's
+    after a first step refused for the second group)."""
+    refused = _sgd_run(refuse_first=True)
+    amp.deinitialize()
+    assert_bitwise_states(refused, _sgd_run(refuse_first=False))
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_numpy_floats_are_numbers_to_the_fused_step(fused_calls):
+    """np.float64 hyperparameters and a LambdaLR computing with np.cos are stepped by the fused
+    step as torch's step takes them (as floats), bit for bit with Python floats."""
+    import numpy as np
+
+    def run(number):
+        model = make_model(inputs=16, hidden=32, outputs=16)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=number(0.01), betas=(number(0.9), number(0.99)),
+            weight_decay=number(0.1),
+        )
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0
+        )
+        cosine = np.cos if number is np.float64 else math.cos
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine(s / 10))
+        for step in range(3):
+            optimizer.zero_grad()
+            with amp.scale_loss(loss_of(model, step, inputs=16, outputs=16), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            scheduler.step()
+        return state_of(model, optimizer)
+
+    with_numpy = run(np.float64)
+    assert len(fused_calls) == 3
+    amp.deinitialize()
+    assert_bitwise_states(with_numpy, run(float))

@@ -195,7 +195,8 @@ def test_torch_optimizers_carry_the_masters_through_torchs_state_dict_hooks():
     changed["state"][0]["master_remainder"].zero_()  # the weight alone: its value
     torch.optim.Optimizer.load_state_dict(optimizer, changed)
     assert torch.equal(optimizer_params(optimizer)[0], model[0].weight.float())
-    assert optimizer.state[model[0].weight]["master_remainder"].dtype is torch.int16
+    assert "master_remainder" not in optimizer.state[model[0].weight]  # amp holds the rests
+    assert optimizer.state_dict()["state"][0]["master_remainder"].dtype is torch.int16
     assert optimizer.state[model[0].weight]["exp_avg"].dtype is torch.float32  # not bf16
     amp.deinitialize()
     assert all(len(registered) == 0 for registered in hooks)
@@ -306,3 +307,70 @@ def test_a_moment_of_another_shape_or_other_block_scales_is_refused_changing_not
         optimizer.load_state_dict(broken)
     torch.testing.assert_close(optimizer.state_dict(), before, rtol=0, atol=0, equal_nan=True)
     optimizer.load_state_dict(before)  # its own checkpoint loads
+
+
+# -- torch's distributed checkpoint ----------------------------------------------------------------
+
+DCP_FORMS = {"exact": {}, "compact-int8": dict(master_weights="compact", optimizer_state="int8")}
+
+
+def _dcp_run(form):
+    model = make_model(inputs=16, hidden=32, outputs=16, batch_norm=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **DCP_FORMS[form]
+    )
+
+
+def _dcp_steps(model, optimizer, steps):
+    for step in steps:
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step, inputs=16, outputs=16), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = [
+        (key, value.clone())
+        for param in model.parameters()
+        for key, value in sorted(optimizer.state[param].items())
+    ]
+    rests = vars(optimizer)["_amp_record"].owner.rests()
+    return weights, state + [("rest", rest.clone()) for rest in rests]
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("form", list(DCP_FORMS))
+def test_torchs_distributed_checkpoint_saves_and_loads_o2_bit_for_bit(form, tmp_path):
+    """get_state_dict / set_state_dict (torchtitan's, Lightning's and Accelerate's way) and
+    torch.distributed.checkpoint.save / load, with amp.state_dict() beside them: the model's FP32
+    values under the model's names, each parameter's state (its master's rest, its moments in
+    their form) under its name; resumed, the run is the uninterrupted one bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = _dcp_run(form)
+    _dcp_steps(model, optimizer, range(2))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    assert all(v.dtype is torch.float32 for v in model_state.values() if v.is_floating_point())
+    rest = "master_remainder" if form == "exact" else "master_correction"
+    assert rest in optimizer_state["state"]["0.weight"]
+    with pytest.warns(UserWarning, match="single process"):  # no process group: torch says so
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_path)
+    scale = amp.state_dict()
+    uninterrupted = _dcp_steps(model, optimizer, range(2, 4))
+    amp.deinitialize()
+
+    model, optimizer = _dcp_run(form)
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # the shapes to load into
+    loaded = {"model": model_state, "optimizer": optimizer_state}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(loaded, checkpoint_id=tmp_path)
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+    )
+    amp.load_state_dict(scale)
+    resumed = _dcp_steps(model, optimizer, range(2, 4))
+    for (a, b) in zip(resumed[0], uninterrupted[0], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for (key_a, a), (key_b, b) in zip(resumed[1], uninterrupted[1], strict=True):
+        assert key_a == key_b and a.dtype == b.dtype and torch.equal(a, b), key_a

@@ -1,7 +1,8 @@
-"""O2's compact state (amp/weights/forms.py, owner.py, the correction rows of rows.py): masters as
-bf16 weights with int8 corrections, moments in 8 bits or bf16, all kept in the parameters' state
-entries and stepped by the fused step; what they train to, skips, checkpoints either way,
-deinitialize, and what is refused."""
+"""The forms of O2's state (amp/weights/forms.py, kept by owner.py): masters as bf16 weights with
+int16 remainders (exact) or int8 corrections (compact), moments in FP32, 8 bits or bf16, all in
+the parameters' state entries and stepped by the fused step; what they train to, skips,
+checkpoints either way and loaded before or after initialize, deinitialize after any of them,
+and what is refused."""
 
 import copy
 import io
@@ -22,14 +23,22 @@ FORMS = [
     dict(optimizer_state="int8"),
 ]
 IDS = ["compact", "compact-int8", "compact-bf16", "int8"]
+EVERY_FORM, EVERY_ID = [{}, dict(optimizer_state="bf16"), *FORMS], ["exact", "bf16", *IDS]
 
 
-def setup(form, cls=torch.optim.AdamW, batch_norm=True, **options):
+def plain(cls=torch.optim.AdamW, batch_norm=True, **options):
     model = make_model(inputs=16, hidden=32, outputs=16, batch_norm=batch_norm)
-    optimizer = cls(model.parameters(), **(options or dict(lr=0.01)))
+    return model, cls(model.parameters(), **(options or dict(lr=0.01)))
+
+
+def initialize(model, optimizer, form):
     return amp.initialize(
         model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form
     )
+
+
+def setup(form, cls=torch.optim.AdamW, batch_norm=True, **options):
+    return initialize(*plain(cls, batch_norm, **options), form)
 
 
 def train(model, optimizer, steps, inside=None):
@@ -82,13 +91,15 @@ def test_compact_state_keeps_what_it_says_and_no_fp32_master(form):
     compact = form.get("master_weights") == "compact"
     cast = [m for m in held if m.dim() == 2]  # the Linear weights (batch norm's stay FP32)
     assert all(p.dtype is torch.bfloat16 for p in cast)
-    state = optimizer.state[cast[0]]
+    state = optimizer.state[cast[0]]  # what torch's step keeps, in the form
     kind = form.get("optimizer_state", "fp32")
     keys = {"fp32": {"exp_avg", "exp_avg_sq"}, "bf16": {"exp_avg_bf16", "exp_avg_sq_bf16"}}
     keys["int8"] = {"exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"}
+    assert set(state) == keys[kind] | {"step"}
     rest = "master_correction" if compact else "master_remainder"
-    assert set(state) == keys[kind] | {"step", rest}
-    assert state[rest].dtype is (torch.int8 if compact else torch.int16)
+    saved = optimizer.state_dict()["state"][held.index(cast[0])]  # with the master's rest
+    assert set(saved) == keys[kind] | {"step", rest}
+    assert saved[rest].dtype is (torch.int8 if compact else torch.int16)
     assert not any(t.dtype is torch.float32 and t.shape == cast[0].shape for t in state.values()
                    if kind != "fp32")  # no FP32 master anywhere
     if kind == "int8":
@@ -195,6 +206,73 @@ def test_a_resume_is_bit_for_bit(form):
     amp.load_state_dict(scale)
     train(model, optimizer, range(2, 5))
     assert_equal(values(model, optimizer), uninterrupted)
+
+
+@pytest.mark.parametrize("form", EVERY_FORM, ids=EVERY_ID)
+def test_a_checkpoint_loaded_into_the_optimizer_before_initialize_resumes_as_one_loaded_after(
+    form,
+):
+    """torch's load casts the floating state to the parameters' dtype (bf16 moments, codes'
+    scales): initialize takes the entries in any form and dtype into this run's form (a compact
+    checkpoint's codes were stepped as if they were the moments before)."""
+    model, optimizer = setup(form)
+    train(model, optimizer, range(2))
+    checkpoint, scale = _saved(model, optimizer), amp.state_dict()
+    amp.deinitialize()
+    runs = []
+    for before in (False, True):
+        model, optimizer = plain()
+        checkpoint.seek(0)
+        loaded = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(loaded["model"])
+        if before:
+            optimizer.load_state_dict(loaded["optimizer"])
+        model, optimizer = initialize(model, optimizer, form)
+        if not before:
+            optimizer.load_state_dict(loaded["optimizer"])
+        amp.load_state_dict(scale)
+        train(model, optimizer, range(2, 4))
+        runs.append(values(model, optimizer))
+        amp.deinitialize()
+    assert_equal(runs[1], runs[0])
+
+
+def _torch_state_and_a_plain_step(model, optimizer):
+    assert all(p.dtype is torch.float32 for p in model.parameters())
+    for param in model.parameters():
+        state = optimizer.state.get(param)
+        if state:
+            assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, set(state)
+            assert all(v.dtype is torch.float32 for v in state.values())
+    loss_of(model, 9, inputs=16, outputs=16).backward()
+    optimizer.step()  # torch's own step from that state
+
+
+@pytest.mark.parametrize("form", EVERY_FORM, ids=EVERY_ID)
+@pytest.mark.parametrize("after", ["load", "resume", "add_param_group"])
+def test_deinitialize_after_a_load_a_resume_or_a_new_group_hands_back_torchs_state(form, after):
+    """amp's keys (masters' rests, codes, bf16 moments) never outlive it (torch's next step
+    raised KeyError: 'exp_avg' after a load or a group added under compact state)."""
+    model, optimizer = plain()
+    if after == "add_param_group":  # the last layer frozen at initialize, thawed later
+        last = list(model[-1].parameters())
+        optimizer = torch.optim.AdamW(list(model.parameters())[: -len(last)], lr=0.01)
+    model, optimizer = initialize(model, optimizer, form)
+    train(model, optimizer, range(2))
+    if after == "load":
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    elif after == "resume":
+        checkpoint = _saved(model, optimizer)
+        amp.deinitialize()
+        model, optimizer = setup(form)
+        loaded = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        optimizer.add_param_group({"params": last})
+    train(model, optimizer, range(2, 3))
+    amp.deinitialize()
+    _torch_state_and_a_plain_step(model, optimizer)
 
 
 @pytest.mark.parametrize("form", FORMS[:2], ids=IDS[:2])
