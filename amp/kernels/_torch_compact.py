@@ -28,7 +28,7 @@ __all__ = ["PIECE", "WHOLE", "adam_step_", "sgd_step_"]
 
 PIECE = 1 << 20  # elements per piece: 4 MiB a FP32 temporary
 ALL = slice(None)  # _whole_rows' answer where every row is stepped whole
-WHOLE = 1 << 24  # elements per run of rows stepped whole
+WHOLE = PIECE  # elements per run of rows stepped whole (a larger tensor alone, decoded in pieces)
 _dtype = operator.attrgetter("dtype")
 _numel = torch.Tensor.numel
 _contiguous = torch.Tensor.is_contiguous
@@ -208,12 +208,21 @@ class _Whole:
     its weight's layout (torch's fused op walks all of a row's tensors in memory order), and
     their write-back. Re-encoding what was decoded gives the same bits, so where the overflow
     flag left the values as they were nothing changes. Contiguous rows are decoded and encoded
-    in one buffer."""
+    in one buffer; a contiguous tensor larger than a piece (alone in its run) a piece at a time,
+    so that the codecs' temporaries stay a piece's (the FP32 values and gradients the fused op
+    takes are the run's)."""
 
     def __init__(self, lows, remainders):
         self.lows, self.remainders = lows, remainders
-        self.buffer = None
-        if all(map(_contiguous, lows)) and all(map(_contiguous, remainders)):
+        self.buffer, self.pieces = None, None
+        contiguous = all(map(_contiguous, lows)) and all(map(_contiguous, remainders))
+        if contiguous and len(lows) == 1 and lows[0].numel() > PIECE:
+            low, rest = lows[0].view(-1), remainders[0].view(-1)
+            value = torch.empty_like(lows[0], dtype=torch.float32)
+            self.fp32, self.pieces = [value], _pieces(low)
+            for piece in self.pieces:
+                value.view(-1)[piece] = _codecs.remainder_decode(low[piece], rest[piece])
+        elif contiguous:
             self.flat_lows = list(map(_flatten, lows))
             self.flat_remainders = list(map(_flatten, remainders))
             self.numels = list(map(_numel, lows))
@@ -228,6 +237,14 @@ class _Whole:
                 value.copy_(_codecs.remainder_decode(low, rem).view(low.shape))
 
     def write_back(self):
+        if self.pieces is not None:
+            value, low = self.fp32[0].view(-1), self.lows[0].view(-1)
+            rest = self.remainders[0].view(-1)
+            for piece in self.pieces:
+                weights, rests = _codecs.remainder_encode(value[piece])
+                low[piece].copy_(weights)
+                rest[piece].copy_(rests)
+            return
         if self.buffer is not None:
             weights, rests = _codecs.remainder_encode(self.buffer)
             torch._foreach_copy_(self.flat_lows, torch.split_with_sizes(weights, self.numels))
