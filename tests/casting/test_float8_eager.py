@@ -132,3 +132,16 @@ def test_on_float8_cu_as_on_torch_operations(monkeypatch, recipe):
     assert names.count("amp_f8_amax<__nv_bfloat16>") == 3  # x, w, grad: none on torch ops
     assert names.count("amp_f8_cast<__nv_bfloat16, 0>") == 2 + (recipe == "rowwise")
     assert names.count("amp_f8_scale_outer") == (2 if recipe == "rowwise" else 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_on_a_gpu_the_eager_linear_computes_the_traced_bits(recipe):
+    from amp import kernels
+
+    if kernels.cuda_backend().name != "cupy":
+        pytest.skip(f"CuPy is not used: {kernels.cuda_backend().reason}")
+    x, w, grad = _inputs(torch.bfloat16, shape=(4, 512, 1024), out_features=2048, seed=3)
+    x, w = (t.detach().cuda().requires_grad_() for t in (x, w))
+    assert kernels8._cupy_for(x) is not None
+    assert_matches_traced(x, w, grad.cuda(), recipe)

@@ -188,3 +188,27 @@ def test_scale_outer_matches_the_torch_operations(forward_kernel, shape):
     float8.scale_outer_(out, row_inverse, col_inverse)
     assert forward_kernel.launched() == ["amp_f8_scale_outer"]
     assert_same(out, expected, "out")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("float8_dtype", FORMATS, ids=_name)
+def test_on_a_gpu_float8_cu_matches_the_torch_operations(float8_dtype):
+    """On the device: the hardware conversion (cvt.satfinite), NVRTC's log2f and exp2f, and the
+    tiled stores at real alignments, against torch's CUDA operations."""
+    from amp import kernels
+
+    if kernels.cuda_backend().name != "cupy":
+        pytest.skip(f"CuPy is not used: {kernels.cuda_backend().reason}")
+    matrices = [sample(shape, torch.bfloat16, seed).cuda() for seed, shape in enumerate(SHAPES)]
+    matrices += [sample((2048, 4096), dtype, 20).cuda() for dtype in DTYPES]
+    matrices[-1][5, 7], matrices[-1][9, 0] = float("inf"), float("nan")
+    for scaling in SCALINGS:
+        casts = float8.cast(matrices, float8_dtype, *scaling)
+        for actual, matrix in zip(casts, matrices):
+            assert_casts(actual, _torch_float8.cast(matrix, float8_dtype, *scaling))
+    out = sample((4096, 1000), torch.bfloat16, 21).cuda()
+    rows, cols = torch.rand(4096, 1, device="cuda"), torch.rand(1, 1000, device="cuda")
+    expected = out.clone()
+    _torch_float8.scale_outer_(expected, rows, cols)
+    float8.scale_outer_(out, rows, cols)
+    assert_same(out, expected, "scale_outer_")
