@@ -357,6 +357,9 @@ __device__ void cast_tile(const Job& job, long long local, bool power_of_2, floa
   __syncthreads();  // the scales
   const long long c = c0 + lane * kVec;
   const bool stores = job.cols % kVec == 0 && job.out % 16 == 0 && c + kVec <= job.cols;
+  float s_t[kVec];  // this thread's columns' scales, read once (a strided read conflicts)
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) s_t[i] = col_scale[lane * kVec + i];
 #pragma unroll
   for (int p = 0; p < L::kPasses; ++p) {
     const int lr = p * L::kRowsPerPass + sub;
@@ -383,13 +386,12 @@ __device__ void cast_tile(const Job& job, long long local, bool power_of_2, floa
       }
     }
     if (job.out_t != 0) {
-      const int lc = lane * kVec;
+      unsigned int* dst = reinterpret_cast<unsigned int*>(&staged[lr][lane * kVec]);
 #pragma unroll
       for (int w = 0; w < kVec / 4; ++w) {
-        const float* s = col_scale + lc + 4 * w;
-        reinterpret_cast<unsigned int*>(&staged[lr][lc])[w] =
-            pack2<Format>(mul_rn(v[4 * w], s[0]), mul_rn(v[4 * w + 1], s[1])) |
-            (pack2<Format>(mul_rn(v[4 * w + 2], s[2]), mul_rn(v[4 * w + 3], s[3])) << 16);
+        const float* s = s_t + 4 * w;
+        dst[w] = pack2<Format>(mul_rn(v[4 * w], s[0]), mul_rn(v[4 * w + 1], s[1])) |
+                 (pack2<Format>(mul_rn(v[4 * w + 2], s[2]), mul_rn(v[4 * w + 3], s[3])) << 16);
       }
     }
   }
@@ -458,7 +460,9 @@ __global__ void __launch_bounds__(amp_f8::kThreads)
   __shared__ float row_scale[kTile];
   __shared__ float col_scale[kTile];
   __shared__ Staged staged;
-  for (long long tile = blockIdx.x; tile < meta.tiles; tile += gridDim.x) {
+  // Last tile first: amp_f8_amax read the matrix first tile first, so its end is still in L2.
+  for (long long k = blockIdx.x; k < meta.tiles; k += gridDim.x) {
+    const long long tile = meta.tiles - 1 - k;
     const Job& job = meta.jobs[job_of(meta, tile)];
     cast_tile<In, Format>(job, tile - job.first_tile, power_of_2 != 0, row_scale, col_scale,
                           staged.bytes);

@@ -16,8 +16,19 @@ import torch
 from . import _torch_float8
 from ._torch_float8 import COLUMN, EPS, ROW, TENSOR, Float8Cast, amax_to_scale, to_float8
 
-__all__ = ["EPS", "TENSOR", "ROW", "COLUMN", "Float8Cast", "amax_to_scale", "to_float8", "Job",
-           "cast", "matmul", "scale_outer_"]
+__all__ = [
+    "EPS",
+    "TENSOR",
+    "ROW",
+    "COLUMN",
+    "Float8Cast",
+    "amax_to_scale",
+    "to_float8",
+    "Job",
+    "cast",
+    "matmul",
+    "scale_outer_",
+]
 
 logger = logging.getLogger("amp")
 _compiling = torch.compiler.is_compiling
@@ -25,10 +36,11 @@ _WIDE = (torch.float16, torch.float32)  # rowwise outputs _scaled_mm makes in bf
 
 
 class Job:
-    """What float8.cu's kernels are given for one matrix (_float8_layout.py packs it): `src` (2-D, contiguous, not empty), the layouts to write (`out`, `out_t`: FP8 tensors or
-    None), their amaxes (int32 tensors of float bits, zeroed: one value, or one per row / per
-    column; the same tensor for both layouts where both are per tensor), and the float32 tensors
-    their scales and inverses go to."""
+    """What float8.cu's kernels are given for one matrix (_float8_layout.py packs it): `src`
+    (2-D, contiguous, not empty), the layouts to write (`out`, `out_t`: FP8 tensors or None),
+    their amaxes (int32 tensors of float bits, zeroed: one value, or one per row / per column;
+    the same tensor for both layouts where both are per tensor), and the float32 tensors their
+    scales and inverses go to."""
 
     __slots__ = ("src", "out", "out_t", "amax", "amax_t", "scale", "inverse", "scale_t",
                  "inverse_t", "per_row", "per_col")
