@@ -77,7 +77,8 @@ class WeightCache:
     def _refresh(self, weight, recipe):
         """Cast `weight` and, in the same launches, the recent weights of its kind to be cast."""
         weights = [weight]
-        for entry in self._entries.values():
+        # A list: a weight freed meanwhile (its weakref's callback) leaves the dict.
+        for entry in list(self._entries.values()):
             other = entry.ref()
             if (
                 other is None
@@ -123,7 +124,7 @@ class WeightCache:
     def _stepped(self, optimizer, args, kwargs):
         """A step may have written any weight: every layout is dropped."""
         self.epoch += 1
-        for entry in self._entries.values():
+        for entry in list(self._entries.values()):
             entry.casts = None
 
     def _unhook(self):
