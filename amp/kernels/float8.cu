@@ -21,7 +21,6 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#include <string.h>
 
 #ifndef AMP_F8_JOBS
 #define AMP_F8_JOBS 24
@@ -98,11 +97,14 @@ template <> struct Elem<__nv_bfloat16> {
 template <> struct Elem<__half> {
   static constexpr int kVec = 8;
   static constexpr unsigned int kAbs = 0x7fffu;
+  // On the bits (NVRTC has no memcpy to make a __half of them); exact, subnormals too.
   __device__ static float value(unsigned int bits) {
-    const unsigned short raw = static_cast<unsigned short>(bits);
-    __half h;
-    memcpy(&h, &raw, sizeof(h));
-    return __half2float(h);
+    const unsigned int sign = (bits & 0x8000u) << 16;
+    const unsigned int exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+    if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+    if (exponent != 0) return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+    // mantissa * 2**-24: a normal float, exactly
+    return __uint_as_float(sign | __float_as_uint(mul_rn(static_cast<float>(mantissa), 0x1p-24f)));
   }
   __device__ static unsigned int amax_bits(unsigned int abs) { return __float_as_uint(value(abs)); }
 };

@@ -70,3 +70,10 @@ def test_tiles_cover_partial_tiles():
     assert _float8_layout.tiles(16384, 4096) == 128 * 32
     assert _float8_layout.tiles(0, 5) == 0
 
+
+
+def test_source_includes_only_what_nvrtc_finds():
+    """CuPy compiles with NVRTC, which has CUDA's headers but no C library (<string.h> fails)."""
+    includes = [line.split()[1] for line in SOURCE.read_text().splitlines()
+                if line.startswith("#include")]
+    assert includes == ["<cuda_fp16.h>", "<cuda_bf16.h>"]
