@@ -143,6 +143,7 @@ def test_only_shapes_fp8_tensor_cores_take_run_in_fp8():
     assert not float8.fits(torch.zeros(12, 32), torch.zeros(48, 32))  # tokens
     assert not float8.fits(torch.zeros(0, 32), torch.zeros(48, 32))
     assert not float8.fits(torch.zeros(32), torch.zeros(48, 32))  # one token
+    assert not float8.fits(torch.zeros(16, 32), torch.zeros(0, 32))  # no out features
 
 
 def test_double_backward_is_refused():

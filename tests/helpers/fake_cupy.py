@@ -7,6 +7,8 @@ Two kinds of kernels behind it:
 - "compiled": RawModule compiles the source the backend hands it with g++ against the CUDA shim
   (tests/helpers/cuda_emulation), with -ftz=true appended as CuPy does, and launches run the CUDA code
   itself on an emulated grid, threads in the order asked for.
+
+`install_float8` runs amp/kernels/float8.py's CuPy path (float8.cu, compiled) on CPU tensors.
 """
 
 import contextlib
@@ -155,9 +157,9 @@ def install(
 
     class RawModule:
         def __init__(self, code, options, name_expressions):
-            assert "-std=c++17" in options and any(
-                o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options
-            )
+            assert "-std=c++17" in options
+            if any(name.startswith("amp_unscale<") for name in name_expressions):
+                assert any(o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options)
             self.names = set(name_expressions)
             if kernels == "compiled":
                 self.compiled = compiled_module(code, options, list(name_expressions), cuda_headers)
@@ -186,7 +188,7 @@ def install(
         "cupy_backends.cuda.libs.nvrtc": nvrtc,
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
-    for module in ("_cupy_backend", "_cupy_compact", "_cupy_device"):
+    for module in ("_cupy_backend", "_cupy_compact", "_cupy_device", "_cupy_float8"):
         monkeypatch.delitem(sys.modules, f"amp.kernels.{module}", raising=False)
     monkeypatch.setattr(
         torch.cuda,
@@ -210,3 +212,18 @@ def install(
     )
     monkeypatch.setattr(amp.kernels, "_cupy_device", backend.cuda, raising=False)
     return backend, launches
+
+
+def install_float8(monkeypatch, order="forward", seed=0):
+    """amp/kernels/float8.py's CuPy path on CPU tensors: float8.cu compiled (needs g++), run on the
+    emulated grid (threads in `order`). Returns (its host module, Launches)."""
+    _, launches = install(monkeypatch, kernels="compiled", order=order, seed=seed)
+    import amp.kernels
+    from amp.kernels import float8
+
+    monkeypatch.delattr(amp.kernels, "_cupy_float8", raising=False)
+    module = importlib.import_module("amp.kernels._cupy_float8")
+    monkeypatch.setitem(sys.modules, "amp.kernels._cupy_float8", module)  # teardown drops it
+    monkeypatch.setattr(amp.kernels, "_cupy_float8", module, raising=False)
+    monkeypatch.setattr(float8, "_cupy_for", lambda tensor: module)
+    return module, launches

@@ -1,5 +1,6 @@
-// CUDA on the CPU, for tests: g++ compiles amp/kernels/multi_tensor.cu unmodified with this
-// header force-included (-include), and every launch runs the grid on the calling thread.
+// CUDA on the CPU, for tests: g++ compiles amp/kernels/multi_tensor.cu and float8.cu unmodified
+// with this header force-included (-include), and every launch runs the grid on the calling
+// thread.
 //
 // - A block's threads are fibers that meet at __syncthreads / __syncthreads_or. Between
 //   two barriers each thread runs alone, in the order the launch asks for (forward, reversed,
@@ -13,6 +14,7 @@
 //   launch's order, while the other warps wait where they are. A warp whose threads do not all
 //   reach the shuffle (some returned or wait at a block barrier) is an error, as on the GPU.
 // - __shared__ is a static thread_local: one copy per OS thread, shared by the block that runs.
+// - atomicMax (unsigned int): a plain read-modify-write, atomic since one thread runs at a time.
 // - Inline PTX: the instructions the source uses (mul/add/sub/div/sqrt/fma .rn.f32) are computed
 //   exactly, with subnormals kept whatever the emulated flush-to-zero mode (see AMP_EMU_PTX).
 // - -ftz=true (which CuPy always appends) is emulated by the x86 MXCSR FTZ and DAZ bits for the
@@ -487,6 +489,14 @@ inline float __shfl_xor_sync(unsigned int mask, float var, int laneMask, int wid
   float out;
   memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+// One thread runs at a time (blocks one after another, a block's threads between barriers one
+// by one), so the read-modify-write is atomic.
+inline unsigned int atomicMax(unsigned int* address, unsigned int value) {
+  const unsigned int old = *address;
+  if (value > old) *address = value;
+  return old;
 }
 
 inline unsigned int __float_as_uint(float x) {
