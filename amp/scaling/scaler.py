@@ -149,6 +149,8 @@ class LossScaler:
         and count, its flags cleared (one op). Its update then changes nothing an earlier block
         or a step still to come holds."""
         state = self._state if self._state is not None else self._device_state(device)
+        if state.device != device:  # the model moved (model.cpu(), .cuda()): the scale follows
+            state, self._keep = state.to(device), self._keep.to(device)
         state = self._state = torch.mul(state, self._keep)
         check = Check(loss_id, self._host, state)
         self._inv = check.inv

@@ -100,13 +100,18 @@ class Pairs:
 
     def _sync(self, row, model, compare):
         """The FP32-wins rule for `model`, the row's low-precision tensor now (a new one when the
-        model replaced it): a new shape or tensor is the value; else a written FP32 side is
+        model replaced it): a new shape is the value; a new tensor (the model moved, an
+        assignment) keeps the FP32 value where it holds its rounding; else a written FP32 side is
         copied into it; else (or `compare`: always) its changed elements into the FP32 side."""
         master = self.masters[row]
         if model.dtype in LOW_PRECISION:  # else replaced by FP32 data: nothing to keep
             with torch.no_grad():
-                if model is not self.models[row] or model.shape != master.shape:
+                if model.shape != master.shape:
                     self._replace(row, model.detach().float())
+                elif model is not self.models[row]:  # a new tensor (model.cpu(), an assignment)
+                    moved = master.to(model.device)  # kept where the new one holds its rounding
+                    changed = model != moved.to(model.dtype)
+                    self._replace(row, torch.where(changed, model.detach().float(), moved))
                 elif master._version != self.master_versions[row]:
                     model.copy_(master)
                 elif compare or model._version != self.low_versions[row] or (

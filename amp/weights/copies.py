@@ -58,6 +58,19 @@ class MasterCopies(Rows):
         amp_state.owners[id(param)] = self
         return row
 
+    def follow(self, row):
+        """The row's master (its data: the optimizer holds it), its gradient and its optimizer
+        state onto its parameter's device (the model moved)."""
+        master, device = self.masters[row], self.params[row].device
+        master.data = master.data.to(device)
+        if master.grad is not None:
+            master.grad = master.grad.to(device)
+        entry = self.optimizer.state.get(master)
+        if entry:
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and not (key == "step" and value.is_cpu):
+                    entry[key] = value.to(device)
+
     def model_of(self, param):
         """The model parameter of a master (None for a parameter that is none)."""
         row = self.master_index.get(id(param))

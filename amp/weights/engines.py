@@ -144,8 +144,11 @@ def check_places(places, caller):
         raise RuntimeError(
             f"{caller}: the parameter {clean_name(qualified or '?')!r} that amp set up at "
             "amp.initialize is no longer in the model: a wrapper such as fully_shard or "
-            "FullyShardedDataParallel, or an assignment, replaced it afterwards, so this "
-            "step would update a tensor the model no longer uses. " + _SUPPORTED_ROUTES
+            "FullyShardedDataParallel, an assignment, or a conversion that makes new parameters "
+            "(model.to('meta'), torch.__future__.set_swap_module_params_on_conversion(True)) "
+            "replaced it afterwards, so this step would update a tensor the model no longer "
+            "uses. A move between devices (model.cpu(), model.cuda()) keeps the parameters and "
+            "is followed. " + _SUPPORTED_ROUTES
         )
     places.anchor(places.params, found)
 

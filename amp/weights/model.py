@@ -111,12 +111,12 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
     """
     # amp_state.cast_params: found before the optimizers' rows made some of them low precision
     cast_ids = amp_state.cast_params
-    params = list({
-        id(p): p
-        for module in _modules_to_cast(model, keep_batchnorm_fp32)
-        for p in module._parameters.values()
-        if p is not None and id(p) in cast_ids
-    }.values())
+    places = {}  # id(param) -> (param, its module, its name there): its first place
+    for module in _modules_to_cast(model, keep_batchnorm_fp32):
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in cast_ids:
+                places.setdefault(id(p), (p, module, name))
+    params = [param for param, _, _ in places.values()]
     buffers, lows = BufferTable(), []
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, buffer in module._buffers.items():
@@ -128,7 +128,14 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
     def undo():
         copies.sync()
         with torch.no_grad():
-            for param in params:
+            for param, module, name in places.values():
+                current = module._parameters.get(name)
+                if _converted(current, param):  # the model's own parameter gets the value
+                    rows, row = copies.find(param)
+                    if rows is not None:
+                        value = torch.empty_like(current.data, dtype=torch.float32)
+                        current.data = value.copy_(rows.value_with(row, current.detach()))
+                    continue
                 if param.dtype is not torch.float32:
                     rows, row = copies.find(param)
                     if rows is None:
@@ -168,6 +175,17 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
     _flatten_rnns(model)
     _register_state_dict_hooks(model, copies, ledger)
     return copies
+
+
+def _converted(current, param):
+    """Whether a conversion of the model made `current` in `param`'s place (model.to("meta"),
+    torch's swap of parameters on conversion): a new object of the same dtype and shape."""
+    return (
+        current is not None
+        and current is not param
+        and current.dtype is param.dtype
+        and current.shape == param.shape
+    )
 
 
 def frozen_rows(form):

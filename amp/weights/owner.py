@@ -90,6 +90,19 @@ class StateOwner(Rows):
         amp_state.owners[id(param)] = self
         return row
 
+    def follow(self, row):
+        """The row's rest, optimizer state and FP32 gradient onto its parameter's device (the
+        model moved), as torch's load_state_dict puts a state on its parameter's device."""
+        super().follow(row)
+        param = self.params[row]
+        entry = self.optimizer.state.get(param)
+        if entry:
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    entry[key] = value.to(param.device)
+        if row in self.grads:
+            self.grads[row] = self.grads[row].to(param.device)
+
     def convert_state(self, param, index):
         """`param`'s state entry, as loaded before amp.initialize (torch's format, any form, the
         dtypes torch's load cast), in this form; the master's rest is made from the parameter."""

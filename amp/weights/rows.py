@@ -1,7 +1,7 @@
 """Rows: the cast parameters of one owner and the rest of each one's FP32 value, with the marks of
-amp's last write into them. The owner is an optimizer's (owner.py: the rest in the parameter's
-optimizer state; copies.py: an FP32 master the optimizer steps) or, for the cast parameters no
-optimizer steps, an initialize's (`FrozenRows`, which a copy of a model holds for its own).
+amp's last write into them. The owner is an optimizer's (owner.py, for an optimizer amp steps;
+copies.py: an FP32 master the optimizer steps) or, for the cast parameters no optimizer steps, an
+initialize's (`FrozenRows`, which a copy of a model holds for its own).
 
 A row's FP32 value is its low-precision parameter (as the model holds it) and its rest, in one of
 three forms (`MasterForm`): an FP32 tensor ("fp32": the master itself, the parameter its rounding
@@ -12,10 +12,12 @@ Reading a row (`value`, `lend`) never writes: a step hook, a state dict taken in
 `amp.master_params` change no bit. Writes from outside amp (a `param.copy_`, a pruning mask, new
 data by `param.data = ...`, a write into a lent FP32 value) are seen by the marks: both sides'
 version counters, the parameter's data pointer and shape. The training thread takes them in at
-its next step, forward, load or undo (`take_writes`): a written FP32 side wins; a written
-parameter is the value where it changed (an FP32 master keeps the elements it did not change; a
-remainder or correction, which cannot tell, is dropped: the written weight is the value). Writes
-through `param.data` in place bump no version counter: they are not seen.
+its next step, forward, load or undo (`take_writes`): a written FP32 side wins; a parameter
+written in place is the value where it changed (an FP32 master keeps the elements it did not
+change; a remainder or correction, which cannot tell, is dropped: the written weight is the
+value); new data with the version unchanged (the model moved to another device or layout, or an
+assignment to `.data`) keeps its rest, which follows it to its device with the optimizer's state
+of it. Writes through `param.data` in place bump no version counter: they are not seen.
 
 Marks and reads go over whole lists at C level (`map`), so that a step costs a constant number of
 Python calls however many parameters the model has.
@@ -149,11 +151,28 @@ class Rows:
 
     # -- reads (they write nothing) -------------------------------------------------------------
 
+    def _moved(self, row):
+        """Whether the row's parameter holds new data that no in-place write made (its version
+        unchanged): a move of the model (model.cpu(), .cuda(), a layout), or an assignment to
+        `.data`. A remainder or correction is kept with it (within half a weight's ulp of any
+        weight, it holds the moved one's value exactly); an FP32 master is compared element by
+        element as after any write."""
+        param, rest = self.params[row], self.rest(row)
+        return (
+            self.form.name != FP32
+            and param._version == self.marks[0][row]
+            and param.dtype is self.form.dtype
+            and param.shape == rest.shape
+        )
+
     def value(self, row):
         """The row's FP32 value (an FP32 master: the tensor itself while nothing outside amp
-        wrote its parameter; else a new tensor)."""
+        wrote its parameter; else a new tensor), on its parameter's device."""
         param, rest = self.params[row], self.rest(row)
-        if not self.param_written(row) or self._rest_written(row):
+        moved = self._moved(row)
+        if rest.device != param.device:
+            rest = rest.to(param.device)
+        if moved or not self.param_written(row) or self._rest_written(row):
             return self.form.decode(param.detach(), rest)
         if param.dtype not in LOW_PRECISION or param.shape != rest.shape:
             return param.detach().float()  # new data of another dtype or shape: the value
@@ -161,6 +180,14 @@ class Rows:
             return param.detach().float()  # the weight was written: its rest no longer holds
         changed = param.detach() != rest.to(param.dtype)
         return torch.where(changed, param.detach().float(), rest)
+
+    def value_with(self, row, weight):
+        """The row's FP32 value with `weight` in its parameter's place (a conversion of the model
+        made a new parameter of the same values: model.to("meta")), on the weight's device."""
+        rest = self.rest(row).to(weight.device)
+        if self.form.name == FP32:
+            return torch.where(weight != rest.to(weight.dtype), weight.float(), rest)
+        return self.form.decode(weight, rest)
 
     def lend(self, row):
         """The FP32 value a state dict hands out, live (lent.py): an FP32 master itself, else a
@@ -209,6 +236,12 @@ class Rows:
         rest_written = self._rest_written(row)
         if not (rest_written or self.param_written(row)):
             return
+        moved = not rest_written and self._moved(row)
+        if param.device != self.rest(row).device:  # the model moved: its FP32 side follows
+            self.follow(row)
+        if moved:
+            self.mark_row(row)
+            return
         with torch.no_grad():
             if param.dtype not in LOW_PRECISION:
                 pass  # replaced by FP32 data: nothing to keep
@@ -221,6 +254,11 @@ class Rows:
             else:  # a remainder or correction of another weight: the weight is the value
                 self.rest(row).zero_()
         self.mark_row(row)
+
+    def follow(self, row):
+        """The row's FP32 side (its rest) onto its parameter's device, where a move of the model
+        took the parameter (the owners move what else they keep of it: its optimizer state)."""
+        self.set_rest(row, self.rest(row).to(self.params[row].device))
 
     def refresh(self, rows=None):
         """amp wrote the rows (all, or `rows`): the values lent out take them."""

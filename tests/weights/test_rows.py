@@ -107,3 +107,99 @@ def test_state_dicts_taken_from_another_thread_during_training_change_no_bit(for
     assert not failures, failures
     assert len(reads) > 0
     _assert_same_bits(read, plain)
+
+
+# -- a model that moves ---------------------------------------------------------------------------
+
+MOVES = {**FORMS, "fp16": dict(dtype=torch.float16), "general": dict(general=True)}
+
+
+def _set_up_on(device, form):
+    """An O2 model on `device` and its optimizer (`general`: one amp's fused step does not
+    step, so its FP32 masters are parameters of their own), after two steps."""
+    options = dict(MOVES[form])
+    dtype = options.pop("dtype", torch.bfloat16)
+    model = make_model(inputs=WIDTH, hidden=4 * WIDTH, outputs=WIDTH, batch_norm=True).to(device)
+    cls = torch.optim.RMSprop if options.pop("general", False) else torch.optim.AdamW
+    optimizer = cls(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=dtype, verbosity=0, **options
+    )
+    for step in range(2):
+        optimizer.zero_grad()
+        x, y = (t.to(device) for t in _batch(step))
+        with amp.scale_loss((model(x).float() - y).square().mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _batch(step):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, WIDTH, generator=generator), torch.randn(8, WIDTH, generator=generator)
+
+
+@pytest.mark.parametrize("form", list(MOVES))
+def test_deinitialize_after_a_conversion_that_made_new_parameters_gives_them_the_values(form):
+    """Lightning's teardown moves the module before the precision plugin's teardown undoes amp
+    (the order that crashed on a GPU). A conversion torch makes with new parameter objects
+    (model.to("meta") here; torch's swap on conversion) leaves the model's own parameters in
+    FP32 at deinitialize, on their device; a step before that names the conversion."""
+    model, optimizer = _set_up_on("cpu", form)
+    model.to("meta")
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"no longer in the model.*model\.to\('meta'\)"):
+        optimizer.step()
+    amp.deinitialize()
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {torch.float32}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", list(MOVES))
+def test_a_model_moved_between_devices_takes_its_masters_and_state_along(form):
+    """model.cpu() after training on the GPU (Lightning's teardown order), then deinitialize:
+    FP32 weights on the CPU equal to the masters; a step after model.cuda() back follows the
+    move (masters, moments and scale on the parameters' device)."""
+    model, optimizer = _set_up_on("cuda", form)
+    masters = [m.detach().cpu().clone() for m in amp.master_params(optimizer)]
+    model.cpu()
+    for master, value in zip(masters, amp.master_params(optimizer)):  # a read: nothing moves
+        assert torch.equal(value.cpu(), master)
+    model.cuda()
+    optimizer.zero_grad()
+    x, y = (t.cuda() for t in _batch(5))
+    with amp.scale_loss((model(x).float() - y).square().mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    stepped = [m.detach().cpu().clone() for m in amp.master_params(optimizer)]
+    assert any(not torch.equal(a, b) for a, b in zip(stepped, masters))
+    model.cpu()
+    amp.deinitialize()
+    for param, value in zip(model.parameters(), stepped):
+        assert param.device.type == "cpu" and param.dtype is torch.float32
+        assert torch.equal(param.detach(), value)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_layout_conversion_of_the_model_keeps_the_masters(form):
+    """model.to(memory_format=torch.channels_last) gives the parameters new data of the same
+    values, their versions unchanged: the remainders and corrections stay theirs (they were
+    dropped, as after a write, losing the masters' low bits)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **FORMS[form]
+    )
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with amp.scale_loss(model(x).float().square().mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    masters = [m.detach().clone() for m in amp.master_params(optimizer)]
+    assert any(not torch.equal(m, p.float()) for m, p in zip(masters, model.parameters()))
+    model.to(memory_format=torch.channels_last)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    amp.deinitialize()
+    for param, master in zip(model.parameters(), masters):
+        assert param.dtype is torch.float32 and torch.equal(param.detach(), master)
