@@ -145,8 +145,9 @@ class LossScaler:
 
     def update(self, check, loss):
         """Back off or grow by what `check`'s block found, on the device; no sync. A non-finite
-        `loss` keeps scale and count: the overflow it caused is not counted (effective) and the
-        count the update adds is taken back first. Every rank agrees on the flags first (one
+        `loss` skips the step and keeps scale and count: the overflow it caused is not counted
+        (effective), the count the update adds is taken back first, and the flag the step reads
+        is set. Every rank agrees on the flags first (one
         collective, none in one process). Then the copy of the state to the host."""
         zero = loss.detach() * 0  # NaN exactly where the loss is not finite
         if zero.dim() or zero.device != check.bad.device:  # a loss of shape (1,), another device
@@ -163,6 +164,8 @@ class LossScaler:
         torch._amp_update_scale_(
             inv, check.tracker, check.effective, 0.5, 2.0, known.growth_interval
         )
+        # A non-finite loss skips the step even where its gradients are finite (`loss + inf`).
+        torch.maximum(check.found, check.bad, out=check.found)
         if known.may_reach_a_bound():  # else the clamp could change nothing: left out
             inv.clamp_(*self._inv_bounds)
         # Host memory for the copy: a few buffers reused in turn, the oldest once read.

@@ -147,3 +147,50 @@ def test_a_bad_loss_on_another_rank_keeps_the_scale_on_every_rank(monkeypatch):
     finally:
         monkeypatch.undo()
         amp.deinitialize()
+
+
+@pytest.mark.parametrize(
+    "opt_level, dtype, options",
+    [
+        ("O1", torch.bfloat16, {}),
+        ("O2", torch.bfloat16, {}),
+        ("O2", torch.bfloat16, dict(master_weights="compact", optimizer_state="int8")),
+        ("O2", torch.float16, {}),
+    ],
+    ids=["O1", "O2-exact", "O2-compact-int8", "O2-fp16"],
+)
+def test_a_non_finite_loss_with_finite_gradients_skips_the_step_and_warns(
+    opt_level, dtype, options
+):
+    """`loss + inf` has the gradients of `loss`: finite. The loss is still not finite, so the step
+    is skipped (no bit changes), the scale and its count are kept and the warning comes (the
+    step was taken silently, and its count not advanced)."""
+    model = make_model(0, outputs=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0, **options
+    )
+    try:
+        step(model, optimizer, 0, bad=False)
+        before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+        scale = scaler_state()
+        optimizer.zero_grad()
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+        loss = model(x).float().pow(2).mean() + float("inf")
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        assert all(torch.isfinite(p.grad).all() for p in amp.master_params(optimizer))
+        optimizer.step()
+        assert scaler_state() == scale
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        for key, value in before[0].items():
+            assert torch.equal(value, model_state[key]), key
+        for index, entry in before[1]["state"].items():
+            for name, value in entry.items():
+                assert torch.equal(value, optimizer_state["state"][index][name]), name
+        with pytest.warns(amp.NonFiniteLossWarning):
+            step(model, optimizer, 2, bad=False)  # the warning waits for the step after
+            amp.last_overflow()
+        assert scaler_state() == (scale[0], scale[1] + 1)  # the clean step after counts
+    finally:
+        amp.deinitialize()
