@@ -48,7 +48,11 @@ VARIANTS = {
     "amp O2 bf16": dict(opt_level="O2", dtype=torch.bfloat16),
     "amp O1 fp16": dict(opt_level="O1", dtype=torch.float16),
     "amp O2 fp16": dict(opt_level="O2", dtype=torch.float16),
+    "amp O2 compact int8": dict(
+        opt_level="O2", dtype=torch.bfloat16, master_weights="compact", optimizer_state="int8"
+    ),
 }
+RESUMED = ("amp O1 bf16", "amp O2 fp16", "amp O2 compact int8")
 
 
 def make_data(batches=3, batch=16, seed=0):
@@ -152,30 +156,33 @@ def resume(args, data, folder):
     epochs = max(2, args.steps // 3)
     half = epochs // 2
     print(
-        f"\nResume: amp O2 fp16, {half} epochs, a Lightning checkpoint, then a fresh Trainer to "
-        f"{epochs} epochs:"
+        f"\nResume: {half} epochs, a Lightning checkpoint, then a fresh Trainer to {epochs} epochs:"
     )
     overflow_steps = args.overflow_step
+    same = True
+    for name in RESUMED:
 
-    def run(epochs, save=None, ckpt=None):
-        end = End(save)
-        loader = torch.utils.data.DataLoader(data, batch_size=16)
-        plugin = AmpPrecision("O2", torch.float16, verbosity=0)
-        run_trainer = trainer(args, dict(plugins=[plugin]), [end], max_epochs=epochs)
-        run_trainer.fit(Regression(overflow_steps), loader, ckpt_path=ckpt)
-        return end
+        def run(epochs, save=None, ckpt=None, options=VARIANTS[name]):
+            end = End(save)
+            loader = torch.utils.data.DataLoader(data, batch_size=16)
+            plugin = AmpPrecision(**options, verbosity=0)
+            run_trainer = trainer(args, dict(plugins=[plugin]), [end], max_epochs=epochs)
+            run_trainer.fit(Regression(overflow_steps), loader, ckpt_path=ckpt)
+            return end
 
-    straight = run(epochs)
-    path = os.path.join(folder, "half.ckpt")
-    run(half, save=path)
-    resumed = run(epochs, ckpt=path)
-    same_model = all(torch.equal(straight.state[k], resumed.state[k]) for k in straight.state)
-    same_optimizer = _same(straight.optimizer, resumed.optimizer)
-    print(
-        f"  model (FP32 masters) bit-identical: {same_model}; optimizer state (with masters): "
-        f"{same_optimizer}; amp state: {straight.amp == resumed.amp} ({straight.amp['amp']})"
-    )
-    return same_model and same_optimizer and straight.amp == resumed.amp
+        straight = run(epochs)
+        path = os.path.join(folder, f"half-{name.replace(' ', '-')}.ckpt")
+        run(half, save=path)
+        resumed = run(epochs, ckpt=path)
+        same_model = all(torch.equal(straight.state[k], resumed.state[k]) for k in straight.state)
+        same_optimizer = _same(straight.optimizer, resumed.optimizer)
+        print(
+            f"  {name}: model (FP32 values) bit-identical: {same_model}; optimizer state (with "
+            f"masters): {same_optimizer}; amp state: {straight.amp == resumed.amp} "
+            f"({straight.amp['amp']})"
+        )
+        same = same and same_model and same_optimizer and straight.amp == resumed.amp
+    return same
 
 
 def fabric(args, data):
