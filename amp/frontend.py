@@ -100,7 +100,8 @@ def _check_models_and_optimizers(models, optimizers, properties):
 
 def _log_properties(base, properties):
     logger.info(
-        "Selected optimization level %s", properties_module.OPT_LEVELS[base.opt_level].brief
+        "Selected optimization level %s",
+        properties_module.OPT_LEVELS[base.opt_level].describe(base.dtype),
     )
     logger.info(
         "Defaults for this optimization level are:\n%s", properties_module.format_options(base)
