@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import kernel_advice
 from . import properties as properties_module
 from .patching import PatchLedger
 from ._state import amp_state, logger
@@ -272,6 +273,7 @@ def initialize(
         raise
     del snapshot  # it holds the FP32 buffers: released only once nothing else does
     model_module.release_exact(cast)
+    kernel_advice.warn_if_slow(properties, model_list)
     amp_state.initialized = True
     amp_state.enabled = True
     amp_state.properties = properties
