@@ -9,7 +9,8 @@
 trainer.py holds the class; options.py reads `amp_options`; refusals.py says which Trainer
 settings cannot run with amp and what to use instead; steps.py puts backward, clipping and skipped
 steps under amp; checkpoints.py carries amp's state in checkpoints and writes FP32 configs;
-versions.py checks the Transformers and Accelerate versions whose private methods AmpTrainer uses.
+holder.py hands amp's one set-up from one AmpTrainer to the next; versions.py checks the
+Transformers and Accelerate versions whose private methods AmpTrainer uses.
 """
 
 from typing import Any
