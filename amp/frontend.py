@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import kernel_advice
 from . import properties as properties_module
 from .patching import PatchLedger
 from ._state import amp_state, logger
@@ -100,7 +101,8 @@ def _check_models_and_optimizers(models, optimizers, properties):
 
 def _log_properties(base, properties):
     logger.info(
-        "Selected optimization level %s", properties_module.OPT_LEVELS[base.opt_level].brief
+        "Selected optimization level %s",
+        properties_module.OPT_LEVELS[base.opt_level].describe(base.dtype),
     )
     logger.info(
         "Defaults for this optimization level are:\n%s", properties_module.format_options(base)
@@ -271,6 +273,7 @@ def initialize(
         raise
     del snapshot  # it holds the FP32 buffers: released only once nothing else does
     model_module.release_exact(cast)
+    kernel_advice.warn_if_slow(properties, model_list)
     amp_state.initialized = True
     amp_state.enabled = True
     amp_state.properties = properties

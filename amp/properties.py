@@ -83,8 +83,15 @@ class Properties:
 @dataclasses.dataclass(frozen=True)
 class OptLevel:
     name: str
-    brief: str
+    brief: str  # apex's line, with {low} where apex says FP16: the low-precision dtype in use
     defaults: Mapping[str, object]
+
+    def describe(self, dtype=torch.float16):
+        """The level's line for the "Selected optimization level" message, naming `dtype`."""
+        return self.brief.format(low=_SHORT_NAMES[dtype])
+
+
+_SHORT_NAMES = {torch.float16: "FP16", torch.bfloat16: "BF16"}
 
 
 # apex.amp's property table (apex/amp/frontend.py), with the low-precision type left open.
@@ -115,7 +122,7 @@ OPT_LEVELS = {
         ),
         OptLevel(
             "O2",
-            "O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n",
+            "O2:  {low} training with FP32 batchnorm and FP32 master weights.\n",
             dict(
                 cast_model_type=LOW_PRECISION,
                 patch_torch_functions=False,
@@ -126,7 +133,7 @@ OPT_LEVELS = {
         ),
         OptLevel(
             "O3",
-            "O3:  Pure FP16 training.",
+            "O3:  Pure {low} training.",
             dict(
                 cast_model_type=LOW_PRECISION,
                 patch_torch_functions=False,

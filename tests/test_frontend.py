@@ -442,14 +442,14 @@ def test_master_params_are_fp32_masters_under_o2():
     amp.deinitialize()
 
 
-def _captured(verbosity):
+def _captured(verbosity, opt_level="O2", **options):
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger("amp")
     logger.addHandler(handler)
     try:
         model, optimizer = make_pair()
-        amp.initialize(model, optimizer, opt_level="O2", verbosity=verbosity)
+        amp.initialize(model, optimizer, opt_level=opt_level, verbosity=verbosity, **options)
         amp.deinitialize()
     finally:
         logger.removeHandler(handler)
@@ -464,6 +464,19 @@ def test_progress_messages_go_through_logging_and_verbosity_zero_silences():
     )
     assert f"{'master_weights':22} : True" in text
     assert _captured(0) == ""
+
+
+@pytest.mark.parametrize(
+    "opt_level, line",
+    [
+        ("O2", "O2:  BF16 training with FP32 batchnorm and FP32 master weights."),
+        ("O3", "O3:  Pure BF16 training."),
+    ],
+)
+def test_the_selected_level_names_the_dtype_in_use(opt_level, line):
+    text = _captured(1, opt_level, dtype=torch.bfloat16)
+    assert f"Selected optimization level {line}" in text
+    assert "FP16" not in text
 
 
 # -- a failed initialize changes nothing ---------------------------------------------------------

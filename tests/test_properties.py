@@ -36,8 +36,21 @@ def test_bfloat16_is_the_model_type_of_o2_o3(opt_level):
 
 
 def test_briefs_are_apex_strings():
-    assert properties.OPT_LEVELS["O0"].brief == "O0:  Pure FP32 training.\n"
-    assert properties.OPT_LEVELS["O3"].brief == "O3:  Pure FP16 training."
+    assert properties.OPT_LEVELS["O0"].describe() == "O0:  Pure FP32 training.\n"
+    assert properties.OPT_LEVELS["O3"].describe() == "O3:  Pure FP16 training."
+
+
+@pytest.mark.parametrize(
+    "opt_level, line",
+    [
+        ("O0", "O0:  Pure FP32 training.\n"),
+        ("O1", "O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n"),
+        ("O2", "O2:  BF16 training with FP32 batchnorm and FP32 master weights.\n"),
+        ("O3", "O3:  Pure BF16 training."),
+    ],
+)
+def test_briefs_name_the_dtype_in_use(opt_level, line):
+    assert properties.OPT_LEVELS[opt_level].describe(torch.bfloat16) == line
 
 
 @pytest.mark.parametrize("bad", ["o1", "01", "O4", "", 1, None])

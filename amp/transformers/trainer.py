@@ -11,7 +11,7 @@ from transformers import Trainer
 import amp
 from amp._state import amp_state
 
-from . import checkpoints, options, refusals, steps, versions
+from . import checkpoints, holder, options, refusals, steps, versions
 
 __all__ = ["AmpTrainer"]
 
@@ -44,7 +44,8 @@ class AmpTrainer(Trainer):
 
     amp stays initialized after ``train()`` (evaluate, predict and save_model run at the level);
     ``deinitialize()`` gives the model its FP32 weights back. amp runs one set-up per process: a
-    second AmpTrainer trains once the first is deinitialized.
+    second AmpTrainer's train(), evaluate() or predict() deinitializes the first (amp's log says
+    so), unless the first is training (refused).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class AmpTrainer(Trainer):
         self._amp_model_only = False  # set up for evaluation, before any optimizer existed
         self._amp_pending: Optional[Dict[str, Any]] = None  # a checkpoint's amp state, early
         self._amp_skips = steps.SkipWatch()
+        self._amp_training = False  # inside train(): amp is not handed over to another trainer
         super().__init__(*args, **kwargs)
         refusals.refuse_set_up(self)
         self.add_callback(self._amp_skips)
@@ -80,17 +82,14 @@ class AmpTrainer(Trainer):
                 "see it bare (the Trainer wraps it after the optimizer exists). Pass the model "
                 "itself."
             )
-        if amp_state.initialized:
-            raise RuntimeError(
-                "AmpTrainer: amp is already initialized in this process (by another AmpTrainer "
-                "or amp.initialize), and it runs one set-up at a time. Call that trainer's "
-                "deinitialize() (or amp.deinitialize()) first."
-            )
+        holder.take_over(self)
         if optimizer is None:
             amp.initialize(model, **self.amp_options)
+            holder.claim(self)
             self._amp_model_only = True
             return
         amp.initialize(model, optimizer, **self.amp_options)
+        holder.claim(self)
         self._amp_optimizer = optimizer
         if self._amp_pending is not None:
             state, self._amp_pending = self._amp_pending, None
@@ -109,10 +108,16 @@ class AmpTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's train(); amp set up for evaluation alone is set up again with the
-        optimizer (the model gets its FP32 weights back first, for a checkpoint to load into)."""
+        optimizer (the model gets its FP32 weights back first, for a checkpoint to load into), and
+        another AmpTrainer holding amp is deinitialized first (its model may be this one's)."""
         if self._amp_model_only:
             self.deinitialize()
-        return super().train(*args, **kwargs)
+        holder.take_over(self)
+        self._amp_training = True
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._amp_training = False
 
     def deinitialize(self) -> None:
         """Undo amp: the model gets its FP32 weights back (from the masters at O2), and torch its

@@ -16,6 +16,7 @@ __all__ = [
     "PRIVATE_METHODS",
     "UNCHECKED_VARIABLE",
     "check_versions",
+    "install_hint",
 ]
 
 # major.minor series; every patch release of a series is accepted.
@@ -47,6 +48,16 @@ def _series(version: str) -> str:
 
 def _listed(series: Sequence[str]) -> str:
     return ", ".join(f"{s}.x" for s in series)
+
+
+def install_hint(missing: str) -> str:
+    """What to install when importing AmpTrainer found `missing` (a module's name) absent."""
+    return (
+        f"amp.transformers.AmpTrainer needs Transformers and Accelerate, and {missing!r} is not "
+        "installed: pip install 'amp[transformers]' (Transformers "
+        f"{_listed(CHECKED_TRANSFORMERS)} and Accelerate {_listed(CHECKED_ACCELERATE)}; install "
+        "it after torch, so that torch stays the build you chose)"
+    )
 
 
 def check_versions(transformers_version: str, accelerate_version: str, trainer_class: type) -> None:

@@ -156,6 +156,9 @@ def _train_and_check(setup, opt_level, x, how_to_zero, losses_scaled, injection,
         amp.deinitialize()
 
 
+# apex's no-op arguments are passed on purpose: ApexCompatWarning is tested in
+# test_ignored_arguments.py (in a fresh process: it warns once per argument and process).
+@pytest.mark.filterwarnings("ignore::apex.ApexCompatWarning")
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_fused_sgd_with_an_lr_per_group_trains_as_torch_sgd_skipping_what_overflowed(

@@ -11,6 +11,9 @@ from apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm
 import amp
 
 
+# apex's no-op arguments are passed on purpose: ApexCompatWarning is tested in
+# test_ignored_arguments.py (in a fresh process: it warns once per argument and process).
+@pytest.mark.filterwarnings("ignore::apex.ApexCompatWarning")
 def test_fused_norms_are_torch_norms_with_apex_arguments():
     x = torch.randn(3, 5, 8)
     layer = FusedLayerNorm(8, eps=1e-6, memory_efficient=True)
@@ -43,6 +46,7 @@ def _region(kind, dtype):
     return torch.autocast("cpu", dtype=dtype) if kind == "torch" else amp.autocast(dtype=dtype)
 
 
+@pytest.mark.filterwarnings("ignore::apex.ApexCompatWarning")  # memory_efficient=True
 @pytest.mark.parametrize("region", ["torch", "amp"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("norm", ["layer", "rms"])

@@ -93,6 +93,9 @@ def _ddp_gradients(**arguments):
     return model, model.module.weight.grad
 
 
+# apex's no-op arguments are passed on purpose: ApexCompatWarning is tested in
+# test_ignored_arguments.py (in a fresh process: it warns once per argument and process).
+@pytest.mark.filterwarnings("ignore::apex.ApexCompatWarning")
 @pytest.mark.parametrize(
     "arguments, factor",
     [

@@ -2,9 +2,11 @@
 bf16 weights and FP32 masters, skips an overflow at O1 fp16 with the skip in its logs, evaluates
 and predicts in the level's precision with FP32 logits, and sets amp up once per process."""
 
+import gc
 import math
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from hf_helpers import (  # noqa: E402
     train_logs,
     training_args,
 )
+
+from transformers import TrainerCallback  # noqa: E402
 
 import amp  # noqa: E402
 from amp.transformers import AmpTrainer  # noqa: E402
@@ -129,28 +133,98 @@ def test_evaluate_before_train_runs_at_the_level_and_training_starts_from_the_fp
     assert [e["loss"] for e in logs] == [e["loss"] for e in expected_logs]
 
 
-def test_one_trainer_at_a_time_in_a_process(tmp_path):
-    first = AmpTrainer(
-        model=make_model(),
+def _trainer(tmp_path, model, **options):
+    return AmpTrainer(
+        model=model,
         args=training_args(tmp_path, max_steps=1),
         train_dataset=make_data(),
-        amp_options={"verbosity": 0},
+        eval_dataset=make_data(rows=4, seed=7),
+        amp_options={"opt_level": "O2", "dtype": torch.bfloat16, **options},
     )
-    second = AmpTrainer(
-        model=make_model(),
-        args=training_args(tmp_path, max_steps=1),
-        train_dataset=make_data(),
-        amp_options={"verbosity": 0},
-    )
+
+
+def test_a_second_trainer_takes_amp_over_from_one_that_finished(tmp_path, caplog):
+    """A notebook's second run: the first trainer keeps amp after train(); the second's train()
+    deinitializes it (its model exactly the masters' FP32 values) and says so in amp's log."""
+    first_model, second_model = make_model(), make_model(seed=1)
+    first, second = _trainer(tmp_path, first_model), _trainer(tmp_path, second_model)
+    third = _trainer(tmp_path, first_model, verbosity=0)  # a re-run cell: the first's model
     try:
         first.train()
-        with pytest.raises(RuntimeError, match=r"already initialized.*deinitialize\(\)"):
+        masters = fp32_weights(first_model)
+        with caplog.at_level("INFO", logger="amp"):
             second.train()
+        assert "amp was held by another AmpTrainer, not training; deinitialized it" in caplog.text
+        assert first_model.transformer.wte.weight.dtype is torch.float32
+        assert_same(fp32_weights(first_model), masters)  # back in FP32, bit for bit
+        assert second_model.transformer.wte.weight.dtype is torch.bfloat16
+        # and on: the third takes amp from the second, for evaluation alone
+        second_masters = fp32_weights(second_model)
+        assert math.isfinite(third.evaluate()["eval_loss"])
+        assert_same(fp32_weights(second_model), second_masters)
+        assert first_model.transformer.wte.weight.dtype is torch.bfloat16
+    finally:
+        for trainer in (first, second, third):
+            trainer.deinitialize()
+
+
+def test_a_trainer_that_is_gone_leaves_amp_to_the_next(tmp_path):
+    model = make_model()
+    first = _trainer(tmp_path, model, verbosity=0)
+    first.train()
+    masters = fp32_weights(model)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None
+    second = _trainer(tmp_path, make_model(seed=1), verbosity=0)
+    try:
+        second.train()
+        assert_same(fp32_weights(model), masters)
+        assert model.transformer.wte.weight.dtype is torch.float32
+    finally:
+        second.deinitialize()
+
+
+class _StartsAnother(TrainerCallback):
+    """At the first step's end, starts `other`: amp is held by a trainer that is training."""
+
+    def __init__(self, other):
+        self.other, self.refused = other, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        try:
+            self.other.evaluate()
+        except RuntimeError as error:
+            self.refused = error
+
+
+def test_amp_is_not_taken_from_a_trainer_while_it_trains(tmp_path):
+    second = _trainer(tmp_path, make_model(seed=1), verbosity=0)
+    starts = _StartsAnother(second)
+    first = _trainer(tmp_path, make_model(), verbosity=0)
+    first.add_callback(starts)
+    try:
+        first.train()
+        assert "holds amp and is training" in str(starts.refused)
+        assert first.model.transformer.wte.weight.dtype is torch.bfloat16  # still first's
+        second.train()  # once first.train() has returned
     finally:
         first.deinitialize()
         second.deinitialize()
-    second.train()  # once the first is undone
-    second.deinitialize()
+
+
+def test_amp_set_up_by_hand_is_not_taken_over(tmp_path):
+    trainer = _trainer(tmp_path, make_model(), verbosity=0)
+    other = make_model(seed=1)
+    amp.initialize(other, opt_level="O1", verbosity=0)
+    try:
+        with pytest.raises(RuntimeError, match=r"by amp\.initialize.*amp\.deinitialize\(\) first"):
+            trainer.train()
+    finally:
+        amp.deinitialize()
+    trainer.train()
+    trainer.deinitialize()
 
 
 def test_model_init_gives_each_train_a_new_model_set_up_anew(tmp_path):
