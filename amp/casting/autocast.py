@@ -106,6 +106,8 @@ class autocast:
         loss.backward()
     """
 
+    __slots__ = ("enabled", "dtype", "cache_enabled", "device_type", "float8", "_tokens")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         torch_form = False
         if args:

@@ -16,6 +16,8 @@ __all__ = [
     "is_enabled",
     "dtype_of",
     "switch",
+    "switch_on",
+    "restore_on",
     "TARGETS",
     "targets_of",
     "restore",
@@ -32,6 +34,13 @@ _set_enabled = torch.set_autocast_enabled
 _set_dtype = torch.set_autocast_dtype
 _cache_enabled = torch.is_autocast_cache_enabled
 _set_cache_enabled = torch.set_autocast_cache_enabled
+# torch's autocast is on for a device where the device's autocast dispatch key is not excluded
+# in this thread (what at::autocast::set_autocast_enabled sets): set through the key, without
+# parsing a device string, a region's second device costs less (tests/casting/
+# test_native_autocast.py reads the result back through torch's readers).
+_exclude = torch._C._dispatch_tls_set_dispatch_key_excluded
+_AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
+_AUTOCAST_CUDA = torch._C.DispatchKey.AutocastCUDA
 # Excludes every autocast dispatch key for a block: a call amp decides runs inside it, so that
 # torch's autocast casts nothing on top (the ops it calls included).
 without_autocast = torch._C._DisableAutocast
@@ -49,39 +58,22 @@ def switch(targets, cache_enabled=None):
     it replaced, for `restore`."""
     changed = []
     dtype_changed = False
-    if len(targets) == 2 and targets[0][1] is not None and not any_enabled():
-        # Both devices on, from off (a thread's first region), unrolled: a region should cost
-        # what torch's costs, and this one sets two devices.
-        (_, cpu), (_, cuda) = targets
-        cpu_before = dtype_of("cpu")
-        cuda_before = dtype_of("cuda")
-        if cpu_before is not cpu:
-            _set_dtype("cpu", cpu)
-        if cuda is not None and cuda_before is not cuda:
-            _set_dtype("cuda", cuda)
-        _set_enabled("cpu", True)
-        changed.append(("cpu", False, None if cpu_before is cpu else cpu_before))
-        if cuda is not None:
-            _set_enabled("cuda", True)
-            changed.append(("cuda", False, None if cuda_before is cuda else cuda_before))
-        dtype_changed = cpu_before is not cpu or (cuda is not None and cuda_before is not cuda)
-    else:
-        anything_on = any_enabled()
-        for device, dtype in targets:
-            enabled = anything_on and is_enabled(device)
-            if dtype is None:
-                if enabled:
-                    changed.append((device, True, None))
-                    _set_enabled(device, False)
-                continue
-            before = dtype_of(device)
-            if before is not dtype:
-                _set_dtype(device, dtype)
-                dtype_changed = True
-            if not enabled:
-                _set_enabled(device, True)
-            if before is not dtype or not enabled:
-                changed.append((device, enabled, None if before is dtype else before))
+    anything_on = any_enabled()
+    for device, dtype in targets:
+        enabled = anything_on and is_enabled(device)
+        if dtype is None:
+            if enabled:
+                changed.append((device, True, None))
+                _set_enabled(device, False)
+            continue
+        before = dtype_of(device)
+        if before is not dtype:
+            _set_dtype(device, dtype)
+            dtype_changed = True
+        if not enabled:
+            _set_enabled(device, True)
+        if before is not dtype or not enabled:
+            changed.append((device, enabled, None if before is dtype else before))
     cache_before = None
     if cache_enabled is not None and _cache_enabled() is not cache_enabled:
         cache_before = not cache_enabled
@@ -89,6 +81,39 @@ def switch(targets, cache_enabled=None):
     if not changed and cache_before is None:
         return _NOTHING
     return changed, cache_before, dtype_changed
+
+
+def switch_on(dtype, cache_enabled):
+    """`switch` of cpu and cuda to `dtype` where both are off (a thread's first region),
+    unrolled: a region should cost what torch's costs, and this one sets two devices. Its
+    result is for `restore_on`: (cpu's dtype before, cuda's, the cache flag before or None,
+    `dtype`)."""
+    cpu = dtype_of("cpu")
+    cuda = dtype_of("cuda")
+    if cpu is not dtype:
+        _set_dtype("cpu", dtype)
+    if cuda is not dtype:
+        _set_dtype("cuda", dtype)
+    _exclude(_AUTOCAST_CPU, False)
+    _exclude(_AUTOCAST_CUDA, False)
+    cache_before = None
+    if _cache_enabled() is not cache_enabled:
+        cache_before = not cache_enabled
+        _set_cache_enabled(cache_enabled)
+    return cpu, cuda, cache_before, dtype
+
+
+def restore_on(saved):
+    """Put back what `switch_on` replaced."""
+    cpu, cuda, cache_before, dtype = saved
+    if cpu is not dtype:
+        _set_dtype("cpu", cpu)
+    if cuda is not dtype:
+        _set_dtype("cuda", cuda)
+    _exclude(_AUTOCAST_CPU, True)
+    _exclude(_AUTOCAST_CUDA, True)
+    if cache_before is not None:
+        _set_cache_enabled(cache_before)
 
 
 # (device type, dtype) -> the `switch` targets that cast to `dtype` on `device_type` (None: cpu

@@ -92,13 +92,18 @@ def enter_region(device_type, dtype, cache_enabled, float8=KEEP):
         policy = _REGION_POLICIES[key] = with_device(*key)
     thread.own_policy = policy
     thread.depth += 1
-    native = native_state.switch(native_state.TARGETS[device_type, dtype], cache_enabled)
+    if device_type is None and dtype is not None and not native_state.any_enabled():
+        native = native_state.switch_on(dtype, cache_enabled)  # a thread's first region
+        dtype_changed = native[0] is not dtype or native[1] is not dtype
+    else:
+        native = native_state.switch(native_state.TARGETS[device_type, dtype], cache_enabled)
+        dtype_changed = native[2]
     native_state.increment_nesting()
     cache = amp_state.cast_cache
-    if native[2] and (thread.depth > 1 or amp_state.o1_thread is not None):
+    if dtype_changed and (thread.depth > 1 or amp_state.o1_thread is not None):
         cache.clear()  # torch's cache holds casts to the dtype replaced here
     cache.filled = True  # torch's cache fills without amp seeing it
-    return saved, native
+    return saved, native, dtype_changed
 
 
 # (enclosing policy, device_type, dtype, cache_enabled, float8) -> the region's policy: policies
@@ -107,18 +112,21 @@ _REGION_POLICIES = {}
 
 
 def exit_region(token):
-    saved, native = token
+    saved, native, dtype_changed = token
     thread = amp_state.thread
     try:
         outermost = native_state.decrement_nesting() == 0
-        native_state.restore(native)
+        if len(native) == 4:
+            native_state.restore_on(native)
+        else:
+            native_state.restore(native)
         thread.own_policy = saved
         thread.depth -= 1
     finally:
         amp_state.torch_patches.release()
-    if outermost or native[2]:
+    if outermost or dtype_changed:
         amp_state.cast_cache.clear()  # amp's and torch's, as torch.autocast's exit does
-    if thread.unwound is not None and not thread.depth:
+    if not thread.depth and thread.unwound is not None:
         _unwind(thread)
 
 
