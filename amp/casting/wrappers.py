@@ -222,10 +222,10 @@ def _traceable_cast(values, target_of):
     return cast
 
 
-def compiled_call(original, kind, name, message, args, kwargs, alone=True):
-    """The patched call as torch.compile traces it: the same casts as eager, without amp's weight
-    cache (the compiled graph makes each cast once) and without amp.trace records; torch's
-    autocast off around the call where amp decides alone (Dynamo knows torch.autocast)."""
+def compiled_call(original, kind, name, message, args, kwargs, alone):
+    """The call amp decides as torch.compile traces it: the same casts as eager, without amp's
+    weight cache (the compiled graph makes each cast once) and without amp.trace records; torch's
+    autocast off around the call where amp decides `alone` (Dynamo knows torch.autocast)."""
     policy = current_policy()
     device = _device_of((*args, *kwargs.values()))
     if policy is None or device is None or policy.dtype_for(device) is None:
@@ -298,11 +298,12 @@ def make_deciding(original, kind, name, message, deciders):
     decider_for = _decider_of(deciders)
 
     def decide(args, kwargs):
-        if _compiling():
-            return compiled_call(original, kind, name, message, args, kwargs)
         decider, device = decider_for(args, kwargs)
         if decider is None or decider is TORCH or not _is_enabled(device):
-            return original(*args, **kwargs)
+            return original(*args, **kwargs)  # under torch.compile too: Dynamo's autocast
+        if _compiling():
+            alone = decider is AMP_ALONE
+            return compiled_call(original, kind, name, message, args, kwargs, alone)
         policy = current_policy()
         return _amp_call(original, caster, decider is AMP_ALONE, policy, args, kwargs)
 
@@ -316,8 +317,9 @@ def make_tracing(original, kind, name, message, deciders):
     decider_for = _decider_of(deciders)
 
     def trace(args, kwargs):
-        if _compiling():
-            return compiled_call(original, kind, name, message, args, kwargs)
+        if _compiling():  # nothing is recorded inside a compiled graph
+            alone = decider_for(args, kwargs)[0] is AMP_ALONE
+            return compiled_call(original, kind, name, message, args, kwargs, alone)
         policy = current_policy()
         if policy is None:
             return traced_call(original, name, kind, None, None, args, kwargs)
