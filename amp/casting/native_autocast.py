@@ -16,8 +16,8 @@ __all__ = [
     "is_enabled",
     "dtype_of",
     "switch",
-    "switch_on",
-    "restore_on",
+    "enter_on",
+    "exit_on",
     "TARGETS",
     "targets_of",
     "restore",
@@ -83,11 +83,11 @@ def switch(targets, cache_enabled=None):
     return changed, cache_before, dtype_changed
 
 
-def switch_on(dtype, cache_enabled):
-    """`switch` of cpu and cuda to `dtype` where both are off (a thread's first region),
-    unrolled: a region should cost what torch's costs, and this one sets two devices. Its
-    result is for `restore_on`: (cpu's dtype before, cuda's, the cache flag before or None,
-    `dtype`)."""
+def enter_on(dtype, cache_enabled):
+    """A region's entry where cpu and cuda are both off (a thread's first region): both to
+    `dtype`, the cache flag, one more nesting level; unrolled, in one call, since a region should
+    cost what torch's costs and this one sets two devices. Its result is for `exit_on`: (cpu's
+    dtype before, cuda's, the cache flag before or None, `dtype`)."""
     cpu = dtype_of("cpu")
     cuda = dtype_of("cuda")
     if cpu is not dtype:
@@ -100,11 +100,14 @@ def switch_on(dtype, cache_enabled):
     if _cache_enabled() is not cache_enabled:
         cache_before = not cache_enabled
         _set_cache_enabled(cache_enabled)
+    increment_nesting()
     return cpu, cuda, cache_before, dtype
 
 
-def restore_on(saved):
-    """Put back what `switch_on` replaced."""
+def exit_on(saved):
+    """Undo `enter_on`; return whether the region was the outermost (torch.autocast's exit
+    empties torch's weight-cast cache then: the caller does, with amp's)."""
+    outermost = decrement_nesting() == 0
     cpu, cuda, cache_before, dtype = saved
     if cpu is not dtype:
         _set_dtype("cpu", cpu)
@@ -114,6 +117,7 @@ def restore_on(saved):
     _exclude(_AUTOCAST_CUDA, True)
     if cache_before is not None:
         _set_cache_enabled(cache_before)
+    return outermost
 
 
 # (device type, dtype) -> the `switch` targets that cast to `dtype` on `device_type` (None: cpu

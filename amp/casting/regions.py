@@ -93,12 +93,12 @@ def enter_region(device_type, dtype, cache_enabled, float8=KEEP):
     thread.own_policy = policy
     thread.depth += 1
     if device_type is None and dtype is not None and not native_state.any_enabled():
-        native = native_state.switch_on(dtype, cache_enabled)  # a thread's first region
+        native = native_state.enter_on(dtype, cache_enabled)  # a thread's first region
         dtype_changed = native[0] is not dtype or native[1] is not dtype
     else:
         native = native_state.switch(native_state.TARGETS[device_type, dtype], cache_enabled)
+        native_state.increment_nesting()
         dtype_changed = native[2]
-    native_state.increment_nesting()
     cache = amp_state.cast_cache
     if dtype_changed and (thread.depth > 1 or amp_state.o1_thread is not None):
         cache.clear()  # torch's cache holds casts to the dtype replaced here
@@ -115,10 +115,10 @@ def exit_region(token):
     saved, native, dtype_changed = token
     thread = amp_state.thread
     try:
-        outermost = native_state.decrement_nesting() == 0
         if len(native) == 4:
-            native_state.restore_on(native)
+            outermost = native_state.exit_on(native)
         else:
+            outermost = native_state.decrement_nesting() == 0
             native_state.restore(native)
         thread.own_policy = saved
         thread.depth -= 1

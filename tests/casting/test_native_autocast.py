@@ -22,14 +22,19 @@ def _state():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cache_enabled", [True, False])
-def test_switch_on_sets_both_devices_as_torchs_setters_would_and_restore_on_undoes_it(
+def test_enter_on_sets_both_devices_as_torchs_setters_would_and_exit_on_undoes_it(
     dtype, cache_enabled
 ):
     before = _state()
-    saved = native.switch_on(dtype, cache_enabled)
+    saved = native.enter_on(dtype, cache_enabled)
     assert _state() == (True, True, dtype, dtype, cache_enabled)
-    native.restore_on(saved)
+    assert native.exit_on(saved)  # the outermost region
     assert _state() == before
+    native.increment_nesting()  # inside another region, it is not the outermost
+    try:
+        assert not native.exit_on(native.enter_on(dtype, cache_enabled))
+    finally:
+        assert native.decrement_nesting() == 0
 
 
 def test_switch_changes_only_its_targets_and_restore_puts_them_back():
@@ -46,7 +51,7 @@ def test_switch_changes_only_its_targets_and_restore_puts_them_back():
 
 def test_writing_a_threads_policy_to_none_excludes_torchs_autocast_until_it_is_put_back():
     thread = amp_state.thread
-    saved = native.switch_on(torch.bfloat16, True)
+    saved = native.enter_on(torch.bfloat16, True)
     try:
         outer = thread.own_policy
         thread.policy = None  # as amp's optimizer step writes it
@@ -57,4 +62,4 @@ def test_writing_a_threads_policy_to_none_excludes_torchs_autocast_until_it_is_p
         assert torch.is_autocast_enabled("cpu") and torch.mm(a, a).dtype is torch.bfloat16
         assert thread.saved_native == []
     finally:
-        native.restore_on(saved)
+        native.exit_on(saved)
