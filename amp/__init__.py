@@ -4,7 +4,7 @@ from . import _state
 from .apex_interop.apex_state import apex_amp_state as _amp_state  # noqa: F401  (apex compatibility)
 from .apex_interop.real_apex import warn_if_real_apex_amp as _warn_if_real_apex_amp
 from .casting import casts as _casts
-from .casting import torch_autocast as _torch_autocast
+from .casting import native_autocast as _native_autocast
 from .casting import torch_patches as _torch_patches
 from .casting.autocast import autocast, custom_bwd, custom_fwd, disable_casts
 from .casting.registration import (
@@ -37,7 +37,7 @@ _state.amp_state.build(
     cast_cache=_casts.WeightCastCache(),
     torch_patches=_torch_patches.TorchPatches(),
     origin_watch=_origin.OriginWatch(),
-    first_policy=_torch_autocast.first_policy,
+    policy_written=_native_autocast.policy_written,
 )
 
 _warn_if_real_apex_amp()  # never shadowed silently by an apex that has its own apex.amp

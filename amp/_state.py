@@ -21,20 +21,39 @@ INHERIT = _Inherit()  # a thread's policy when it has set none: AmpState.default
 class ThreadState(threading.local):
     """Per-thread casting state.
 
-    `autocast` and `disable_casts` set `policy`, which affects the current thread only; a thread
-    whose policy is INHERIT follows `AmpState.default_policy` (O1's, for every thread). Every
-    thread's instance holds all its attributes from its first use: torch.compile guards a value
-    read through a threading.local's class default with a check of the instance dict that misses
-    later per-thread writes (a graph made outside a region would be reused inside one).
+    `autocast` and `disable_casts` set `policy`, which affects the current thread only. A thread
+    whose policy is INHERIT follows `AmpState.default_policy`, except where O1 set it: O1 casts
+    through torch's autocast state, which is per thread, so only in the thread that called
+    `initialize` (`AmpState.o1_thread`), as a torch.autocast region would. Writing `policy` (amp's
+    optimizer step turns casting off so) also sets torch's autocast state of the thread
+    (AmpState.policy_written); regions write `own_policy`, where it is kept, and set torch's state
+    themselves. Every thread's instance holds all its attributes from its first use:
+    torch.compile guards a value read through a threading.local's class default with a check of
+    the instance dict that misses later per-thread writes (a graph made outside a region would be
+    reused inside one).
     """
 
     def __init__(self, state):
-        # A new thread's policy: INHERIT, unless it starts inside a torch.autocast region of
-        # torch's own (AmpState.first_policy, set by AmpState.build).
-        self.policy = state.first_policy()  # this thread's own: a CastPolicy, None or INHERIT
+        self._state = state
+        self.ident = threading.get_ident()
+        self.own_policy = INHERIT  # this thread's own: a CastPolicy, None or INHERIT
         self.trace = None  # the innermost active diagnostics.trace.Trace, or None
-        self.autocast_depth = 0  # autocast regions entered and not yet exited in this thread
         self.fp32_scopes = []  # casting-off scopes of the fp32_modules running in this thread
+        self.saved_native = []  # torch's autocast state saved by direct writes of `policy`
+        self.depth = 0  # amp regions and scopes open in this thread
+        self.unwound = None  # called once depth returns to 0 (O1 ended inside a region)
+
+    @property
+    def policy(self):
+        policy = self.own_policy
+        if policy is INHERIT and self._state.o1_thread not in (None, self.ident):
+            return None  # O1's policy is its own thread's
+        return policy
+
+    @policy.setter
+    def policy(self, value):
+        old, self.own_policy = self.own_policy, value
+        self._state.policy_written(self, old, value)
 
 
 class Registrations(collections.abc.MutableMapping):
@@ -70,8 +89,8 @@ class Registrations(collections.abc.MutableMapping):
         return len(self._entries)
 
 
-def _inherit():
-    return INHERIT
+def _unaware(thread, old, new):
+    return None
 
 
 class AmpState:
@@ -80,13 +99,18 @@ class AmpState:
     the package's __init__, the one place global state is made."""
 
     def __init__(self):
-        self.first_policy = _inherit  # a new thread's policy (casting.torch_autocast.first_policy)
+        # Called on a direct write of a thread's policy (casting.native_autocast.policy_written)
+        self.policy_written = _unaware
         self.thread = ThreadState(self)
         self.lock = threading.RLock()
-        self.default_policy = None  # the CastPolicy of every thread whose own policy is INHERIT
+        self.default_policy = None  # the CastPolicy of the threads whose own policy is INHERIT
+        self.o1_thread = None  # the thread O1 casts in (threading.get_ident()); None: every thread
         self.cast_cache = None  # casting.casts.WeightCastCache
         self.torch_patches = None  # casting.torch_patches.TorchPatches
-        self.patch_users = 0  # open regions and O1 initializations holding the torch patches
+        # One item per open region and O1 initialization holding the torch patches: appended and
+        # popped without the lock (each is atomic), so a region needs the lock only to install
+        # the patches or to leave them with no user.
+        self.patch_users = []
         self.user_registrations = Registrations()  # kept across deinitialize
         self.cuda_kernels = None  # amp.kernels.BackendChoice, probed on first use with CUDA
         # Some thread casts (a region, O1) or traces: only then does a patched call look at its
@@ -97,12 +121,12 @@ class AmpState:
         self.origin_watch = None
         self.reset()
 
-    def build(self, cast_cache, torch_patches, origin_watch, first_policy):
+    def build(self, cast_cache, torch_patches, origin_watch, policy_written):
         """Give the state its objects from the layers above (once, from amp/__init__.py)."""
         self.cast_cache = cast_cache
         self.torch_patches = torch_patches
         self.origin_watch = origin_watch
-        self.first_policy = first_policy
+        self.policy_written = policy_written
 
     def current_policy(self):
         """The CastPolicy in force in this thread, or None."""
@@ -111,7 +135,7 @@ class AmpState:
 
     def refresh_active(self):
         """Recompute `active` (under `lock`) after a region, an O1 or a trace began or ended."""
-        self.active = self.patch_users > 0 or self.traces > 0
+        self.active = bool(self.patch_users) or self.traces > 0
 
     def reset(self):
         self.initialized = False  # amp.initialize was called and not undone

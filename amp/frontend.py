@@ -11,8 +11,9 @@ import torch
 from . import kernel_advice
 from . import properties as properties_module
 from .patching import PatchLedger
-from ._state import amp_state, logger
+from ._state import INHERIT, amp_state, logger
 from .casting import fp32_modules as fp32_modules_module
+from .casting import regions as regions_module
 from .casting import native_autocast
 from .casting.casts import policy_for
 from .scaling.checkpoint import load_state_dict, state_dict
@@ -238,13 +239,15 @@ def initialize(
             f"min_loss_scale={min_loss_scale} is above max_loss_scale={max_loss_scale}."
         )
     patching = properties.patch_torch_functions or properties.float8 is not None
-    if patching and native_autocast.any_enabled():
+    if patching and (
+        native_autocast.any_enabled() or amp_state.thread.own_policy is not INHERIT
+    ):
         raise RuntimeError(
             f"amp.initialize(opt_level={properties.opt_level!r}"
-            f"{', float8=...' if properties.float8 else ''}) was called inside a torch.autocast "
-            "region opened before amp was first used: torch's own autocast would cast on top of "
-            "amp's. Call amp.initialize outside it; a torch.autocast region opened afterwards is "
-            "amp's."
+            f"{', float8=...' if properties.float8 else ''}) was called inside an autocast region "
+            "(torch.autocast, amp.autocast or amp.disable_casts, or a torch.autocast region "
+            "opened before amp was first used): O1 sets torch's autocast state of this thread, "
+            "which the region puts back when it exits. Call amp.initialize outside any region."
         )
     _check_models_and_optimizers(model_list, optimizer_list, properties)
     if properties.cast_model_type or cast_model_outputs is not None:
@@ -338,6 +341,11 @@ def _apply(properties, models, optimizers, cast_model_outputs, ledger):
         dtype = properties.dtype if properties.patch_torch_functions else None
         amp_state.default_policy = policy_for(dtype, dtype, float8=float8)
         ledger.add_undo("O1 policy", lambda: setattr(amp_state, "default_policy", None))
+        # O1 casts in this thread through torch's own autocast state (other threads start off, as
+        # under torch.autocast); deinitialize puts the state back.
+        ledger.add_undo(
+            "torch's autocast state", regions_module.begin_thread_policy(amp_state.default_policy)
+        )
     return cast
 
 

@@ -6,10 +6,11 @@ python_calls   cProfile's total_calls of one step after `warmup` steps and after
 settle         steps until the loss scale stays put for two steps: a step that skips for an
                overflow, or the step after it (amp watches that one to name the overflow's
                origin), is not the training step that a figure should describe
-scaling_calls  the Python calls loss scaling adds to a plain step: amp's zero_grad +
-               scale_loss + step at an opt level, and torch.amp.GradScaler's scale / unscale_ /
-               step / update, at 10 parameter tensors (forward, backward and SGD's own step left
-               out)
+scaling_calls  the Python calls loss scaling adds to a step: amp's zero_grad + scale_loss +
+               step at an opt level against the same step at that level with the loss
+               backpropagated unscaled (what the level itself costs in forward, backward and
+               step left out: O1's casting in them is not scaling), and torch.amp.GradScaler's
+               scale / unscale_ / step / update against a plain step, at 10 parameter tensors
 peak_memory    live bytes at the start of one step (after a warm-up step: model, optimizer
                state, masters, data) and their peak during it, everything included.
                CPU: torch.profiler with profile_memory, whose events carry each allocation and
@@ -28,7 +29,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import amp
-from amp._state import amp_state
 
 _MARK = "benchmarks::measured_step"
 
@@ -68,8 +68,8 @@ def _step_calls(fn):
 
 
 def scaling_calls(opt_level, dtype=torch.bfloat16, layers=5):
-    """(calls amp adds, calls torch.amp.GradScaler adds) to one plain step at 2 * `layers`
-    tensors."""
+    """(calls amp's scaling adds to a step at `opt_level`, calls torch.amp.GradScaler adds to a
+    plain step) at 2 * `layers` tensors."""
 
     def make():
         torch.manual_seed(0)
@@ -92,12 +92,8 @@ def scaling_calls(opt_level, dtype=torch.bfloat16, layers=5):
         scaler.step(optimizer)
         scaler.update()
 
-    def forward():
-        model(x).square().mean()
-
     base = _step_calls(plain)
     torch_adds = _step_calls(torch_path) - base
-    backward_and_step = base - _step_calls(forward)
     model, optimizer = make()
     model, optimizer = amp.initialize(
         model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0
@@ -110,12 +106,13 @@ def scaling_calls(opt_level, dtype=torch.bfloat16, layers=5):
             scaled.backward()
         optimizer.step()
 
-    def amp_forward():  # O1's weight casts are made anew, as in amp_path
-        amp_state.cast_cache.clear()
-        model(x).float().square().mean()
+    def amp_plain():  # the same step at this level, its loss not scaled
+        optimizer.zero_grad(set_to_none=True)
+        model(x).float().square().mean().backward()
+        optimizer.step()
 
     try:
-        amp_adds = _step_calls(amp_path) - (_step_calls(amp_forward) - 1) - backward_and_step
+        amp_adds = _step_calls(amp_path) - _step_calls(amp_plain)
     finally:
         amp.deinitialize()
     return amp_adds, torch_adds

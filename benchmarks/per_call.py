@@ -6,13 +6,19 @@
 Cases, small enough that the host's work is most of a call:
   F.linear       input 4 x 16 in FP32, nn.Linear(16, 16): the input cast, weight and bias from
                  the cache (called `--number` times in one region, as a shared weight is)
+  torch.matmul   the same input times the weight's transpose (its cast cached)
   F.conv2d       input 1 x 4 x 8 x 8 in FP32, a 3 x 3 kernel of 4 channels, no bias (cached)
-  Tensor.sum     x.sum(dim=-1) on the FP32 input: an FP32 op with nothing to cast, its dimension
-                 given by keyword, as reductions usually are
+  F.softmax      F.softmax(x, -1) on the FP32 input: an FP32 op with nothing to cast (on the CPU
+                 torch's autocast leaves softmax alone, so amp's wrapper runs)
+  Tensor.sum     x.sum(dim=-1) on the FP32 input: the same, its dimension given by keyword, as
+                 reductions usually are
+  Tensor.add     x + x: an op neither casts (amp leaves it unpatched)
   F.linear, weights cast anew
                  the same F.linear in a region of its own, less an empty region: the input,
                  weight and bias cast and the casts kept, as at a weight's first use in a step
-  region         entering and leaving an empty region
+  region         entering and leaving an empty region: amp.autocast(dtype=...) sets torch's
+                 autocast state on cpu and cuda, torch.autocast(device) on one device; "one
+                 device" is amp.autocast(device_type=device), the same work as torch's
   outside        F.linear outside any region while amp's patches stay installed, against the
                  original function
 Each runs under amp.autocast, the cached cases also under amp O1 (no region: `amp.initialize`),
@@ -47,10 +53,14 @@ def _cases(device):
     weight, bias, kernel = linear.weight, linear.bias, conv.weight
     original = F.linear
     # F.linear and F.conv2d are read at call time: amp patches them while it casts.
+    transposed = weight.t()
     cases = {
         "F.linear": lambda: F.linear(x, weight, bias),
+        "torch.matmul": lambda: torch.matmul(x, transposed),
         "F.conv2d": lambda: F.conv2d(image, kernel, None, 1, 1),
+        "F.softmax": lambda: F.softmax(x, -1),
         "Tensor.sum": lambda: x.sum(dim=-1),
+        "Tensor.add": lambda: x + x,
     }
     return torch.nn.Sequential(linear, conv), cases, lambda: original(x, weight, bias)
 
@@ -62,7 +72,7 @@ def measure(device, dtype, number=2000, repeat=7):
     model, cases, original = _cases(device)
     variants = ("amp.autocast", "amp O1", "torch.autocast")
     times = {name: {variant: [] for variant in variants} for name in cases}
-    region = {"amp.autocast": [], "torch.autocast": []}
+    region = {"amp.autocast": [], "torch.autocast": [], "one device": []}
     anew = {"amp.autocast": [], "torch.autocast": []}  # F.linear in a region of its own
     outside = {"amp": [], "torch": []}
     # CPU: the host's work, not the waits of a shared machine; CUDA: kernels run asynchronously.
@@ -77,6 +87,10 @@ def measure(device, dtype, number=2000, repeat=7):
 
     def amp_region():
         with amp.autocast(dtype=dtype):
+            pass
+
+    def amp_region_one_device():
+        with amp.autocast(dtype=dtype, device_type=device):
             pass
 
     def torch_anew():
@@ -99,6 +113,7 @@ def measure(device, dtype, number=2000, repeat=7):
             for name, fn in cases.items():
                 times[name]["amp.autocast"].append(timed(fn))
         region["amp.autocast"].append(timed(amp_region))
+        region["one device"].append(timed(amp_region_one_device))
         anew["amp.autocast"].append(timed(amp_anew))
         outside["amp"].append(timed(cases["F.linear"]))  # the patches stay after a region
         amp.deinitialize()
@@ -147,6 +162,7 @@ def rows(device, dtype, number=2000, repeat=7):
             )
     for name, ours, theirs in (
         ("region enter + exit", region["amp.autocast"], region["torch.autocast"]),
+        ("region enter + exit, one device", region["one device"], region["torch.autocast"]),
         ("F.linear outside any region", outside["amp"], outside["torch"]),
     ):
         table.append(

@@ -19,9 +19,10 @@ on the same data with AdamW. Workloads (workloads.py):
            tokens, the CNN at CI size. "At step start"
            includes the previous step's gradients where a variant frees them only at the next
            zero_grad(set_to_none=True).
-  scaling  the Python calls loss scaling adds to a plain step at 10 parameter tensors: amp's
-           zero_grad + scale_loss + step at O0-O3, torch.amp.GradScaler's scale / unscale_ /
-           step / update (measure.scaling_calls)
+  scaling  the Python calls loss scaling adds to a step at 10 parameter tensors: amp's
+           zero_grad + scale_loss + step at O0-O3 against the same step unscaled at that level,
+           torch.amp.GradScaler's scale / unscale_ / step / update against a plain step
+           (measure.scaling_calls)
   device   the GPU proxies (device_work.py): kernel launches, bytes read and written and bytes
   work     saved for backward per step, host reads per step, and launches and bytes per parameter
            after backward, counted below autograd on FakeTensors at the end-to-end benchmark's
@@ -298,7 +299,7 @@ def main(argv=None):
     table = scaling_rows()
     results["scaling"] = table
     print_table(
-        "loss scaling + step at 10 parameter tensors: Python calls added to a plain step "
+        "loss scaling + step at 10 parameter tensors: Python calls added to the step unscaled "
         "(zero_grad + scale_loss + step; torch: scale / unscale_ / step / update)",
         table,
         list(table[0]),

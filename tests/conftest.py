@@ -46,6 +46,20 @@ def _patchable_attributes():
     return found
 
 
+def _torch_autocast_state():
+    """torch's own autocast state in this thread, which amp's casting sets."""
+    return (
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_autocast_dtype("cuda"),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+_TORCH_DEFAULTS = (False, False, torch.bfloat16, torch.float16, True)
+
+
 @pytest.fixture(autouse=True)
 def no_amp_leak():
     """Fail a test that leaves amp patches, hooks or global state behind."""
@@ -78,6 +92,14 @@ def no_amp_leak():
         amp_state.user_registrations.update(registrations)
     if amp_state.thread.trace is not None:
         problems.append("a trace is still active")
+    native = _torch_autocast_state()
+    if native != _TORCH_DEFAULTS:
+        problems.append(f"torch's autocast state is {native}, not its defaults")
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_enabled("cuda", False)
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.set_autocast_dtype("cuda", torch.float16)
+        torch.set_autocast_cache_enabled(True)
     if problems:
         amp.deinitialize()
         pytest.fail("; ".join(problems))

@@ -1,4 +1,4 @@
-"""Casting regions: autocast, disable_casts, and custom_fwd / custom_bwd (thread-local state)."""
+"""amp's casting regions as API: autocast, disable_casts, and custom_fwd / custom_bwd."""
 
 import contextlib
 import functools
@@ -11,36 +11,16 @@ import torch
 
 from .._state import amp_state
 from ..lists.float8_recipes import check_recipe_name
-from . import native_autocast as native_state
 from .cast_tree import cast_tree
-from .casts import DEVICE_FILTERS, DEVICE_TYPES, KEEP, LOW_PRECISION, with_device
+from .casts import DEVICE_FILTERS, DEVICE_TYPES, with_device
+from .regions import enter_region, exit_region, policy_scope
 
 __all__ = [
-    "policy_scope",
     "disable_casts",
-    "enter_region",
-    "exit_region",
     "autocast",
     "custom_fwd",
     "custom_bwd",
 ]
-
-
-@contextlib.contextmanager
-def policy_scope(policy):
-    """Run the block with `policy` (None: no casting) in force in this thread, every device."""
-    thread = amp_state.thread
-    saved = thread.policy
-    patches = amp_state.torch_patches if policy is not None else None
-    if patches is not None:
-        patches.acquire()
-    thread.policy = policy
-    try:
-        yield
-    finally:
-        thread.policy = saved
-        if patches is not None:
-            patches.release()
 
 
 @contextlib.contextmanager
@@ -56,43 +36,22 @@ def disable_casts() -> Iterator[None]:
         yield
 
 
-def enter_region(device_type, dtype, cache_enabled, float8=KEEP):
-    """Open a casting region in this thread: on `device_type` (None: cpu and cuda) amp casts to
-    `dtype` (None: not at all) until `exit_region(token)`, and runs F.linear in FP8 with recipe
-    `float8` (None: not; KEEP: as the enclosing policy does). amp.autocast and torch.autocast
-    (while amp's patches are installed) both come here, so the two nest as one stack of
-    regions."""
-    thread = amp_state.thread
-    patches = amp_state.torch_patches
-    if float8 is not KEEP and float8 is not None:
-        patches.use_float8()  # F.linear's FP8 wrapper, from now until the patches are dropped
-    patches.acquire()  # installs the patches on first use; they stay until amp.deinitialize()
-    saved = thread.policy
-    thread.policy = with_device(
-        amp_state.current_policy(), device_type, dtype, cache_enabled, float8
-    )
-    thread.autocast_depth += 1
-    # A torch.autocast region opened before amp's patches were installed set torch's own state;
-    # amp's region turns it off for its devices so that torch's dispatcher does not cast too.
-    native = native_state.switch_off(device_type) if native_state.any_enabled() else ()
-    return saved, native
-
-
-def exit_region(token):
-    saved, native = token
-    thread = amp_state.thread
-    try:
-        native_state.restore(native)
-        thread.autocast_depth -= 1
-        thread.policy = saved
-        if thread.autocast_depth == 0:
-            amp_state.cast_cache.clear()
-    finally:
-        amp_state.torch_patches.release()
-
-
 _AMP_FORM = ("enabled", "dtype", "cache_enabled", "device_type")
 _TORCH_FORM = ("device_type", "dtype", "enabled", "cache_enabled")
+_KEYWORDS = frozenset(_AMP_FORM + ("float8",))
+_FLOAT16, _BFLOAT16 = torch.float16, torch.bfloat16
+
+
+def _merge_positional(args, kwargs, names):
+    """`kwargs` with the positional `args` added under `names` (amp's or torch's form)."""
+    if len(args) > len(names):
+        raise TypeError(f"autocast takes at most {len(names)} positional arguments")
+    given = dict(zip(names, args))
+    for name in kwargs:
+        if name in given:
+            raise TypeError(f"autocast() got multiple values for argument {name!r}")
+    given.update(kwargs)
+    return given
 
 
 def _check_device_type(device_type):
@@ -147,49 +106,51 @@ class autocast:
         loss.backward()
     """
 
+    __slots__ = ("enabled", "dtype", "cache_enabled", "device_type", "float8", "_tokens")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        torch_form = bool(args) and isinstance(args[0], str)
-        names = _TORCH_FORM if torch_form else _AMP_FORM
-        if len(args) > len(names):
-            raise TypeError(f"autocast takes at most {len(names)} positional arguments")
-        given = dict(zip(names, args))
-        float8 = kwargs.pop("float8", None)
-        for name, value in kwargs.items():
-            if name not in _AMP_FORM:
+        torch_form = False
+        if args:
+            torch_form = isinstance(args[0], str)
+            kwargs = _merge_positional(args, kwargs, _TORCH_FORM if torch_form else _AMP_FORM)
+        for name in kwargs:  # read without calls: a region should cost what torch's does
+            if name not in _KEYWORDS:
                 raise TypeError(f"autocast() got an unexpected keyword argument {name!r}")
-            if name in given:
-                raise TypeError(f"autocast() got multiple values for argument {name!r}")
-            given[name] = value
-        enabled = given.get("enabled", True)
-        device_type = given.get("device_type")
-        dtype = given.get("dtype")
-        cache_enabled = given.get("cache_enabled")
-        if not isinstance(enabled, bool):
+        enabled = kwargs["enabled"] if "enabled" in kwargs else True
+        device_type = kwargs["device_type"] if "device_type" in kwargs else None
+        dtype = kwargs["dtype"] if "dtype" in kwargs else None
+        cache_enabled = kwargs["cache_enabled"] if "cache_enabled" in kwargs else None
+        float8 = kwargs["float8"] if "float8" in kwargs else None
+        if enabled is not True and enabled is not False:
             raise TypeError(f"autocast(enabled=...) must be a bool; got {enabled!r}.")
         if device_type is not None:
             _check_device_type(device_type)
-        if enabled and device_type == "cuda" and not torch.cuda.is_available():
-            # As torch.autocast("cuda") warns and turns itself off: casting nothing silently
-            # would hide a script that meant to run on a GPU.
-            warnings.warn("CUDA is not available. Disabling autocast.", UserWarning, stacklevel=2)
-            enabled = False
+            if enabled and device_type == "cuda" and not torch.cuda.is_available():
+                # As torch.autocast("cuda") warns and turns itself off: casting nothing silently
+                # would hide a script that meant to run on a GPU.
+                warnings.warn(
+                    "CUDA is not available. Disabling autocast.", UserWarning, stacklevel=2
+                )
+                enabled = False
         if dtype is None:
             # torch's form: the device's current autocast dtype; amp's: float16 (API.md).
-            dtype = torch.get_autocast_dtype(device_type) if torch_form else torch.float16
-        if enabled and dtype not in LOW_PRECISION:
+            dtype = torch.get_autocast_dtype(device_type) if torch_form else _FLOAT16
+        if enabled and dtype is not _FLOAT16 and dtype is not _BFLOAT16:
             raise ValueError(
                 f"autocast(dtype={dtype!r}) is not a low-precision type; "
                 "pass torch.float16 or torch.bfloat16."
             )
         if cache_enabled is None:
             cache_enabled = torch.is_autocast_cache_enabled() if torch_form else True
-        if not isinstance(cache_enabled, bool):
+        elif cache_enabled is not True and cache_enabled is not False:
             raise TypeError(f"autocast(cache_enabled=...) must be a bool; got {cache_enabled!r}.")
+        if float8 is not None:
+            float8 = check_recipe_name(float8, "autocast(float8=...)")
         self.enabled = enabled
         self.dtype = dtype
         self.cache_enabled = cache_enabled
         self.device_type = device_type
-        self.float8 = check_recipe_name(float8, "autocast(float8=...)")
+        self.float8 = float8
         self._tokens = []  # one per active entry of this object, for re-entrant use
 
     def __enter__(self) -> "autocast":

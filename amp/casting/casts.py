@@ -15,7 +15,6 @@ __all__ = [
     "SEQUENCES",
     "PLAIN_ARGUMENTS",
     "CastPolicy",
-    "FastCast",
     "policy_for",
     "KEEP",
     "with_device",
@@ -110,9 +109,7 @@ class CastPolicy:
     `cpu` and `cuda` are the dtypes for tensors on those devices; when both are the same dtype
     the policy casts tensors on every device (meta tensors included). `cache_enabled` allows reuse
     of weight casts through the cache. `to_low` and `to_fp32` are the argument converters (see
-    `_converter`) of the policy; `device_filter` accepts the tensors the policy casts. `fast` holds
-    what the patched-call wrappers inline instead of calling a converter (see `FastCast`), for
-    lower-precision and FP32 calls in that order; None for a different dtype per device.
+    `_converter`) of the policy; `device_filter` accepts the tensors the policy casts.
     """
 
     __slots__ = (
@@ -123,7 +120,6 @@ class CastPolicy:
         "device_filter",
         "to_low",
         "to_fp32",
-        "fast",
     )
 
     def __init__(self, cpu, cuda, cache_enabled=True, float8=None):
@@ -137,7 +133,6 @@ class CastPolicy:
             # patched call as given. No tensor is the policy's, so nothing is cast or refused.
             self.device_filter = _no_device
             self.to_low = self.to_fp32 = _cast_nothing
-            self.fast = (_NO_CASTS, _NO_CASTS)
             return
         if cpu is cuda:
             self.device_filter = None
@@ -153,14 +148,6 @@ class CastPolicy:
                 _converter(cpu, CASTABLE - {cpu}, _is_cpu, cache),
             )
         self.to_fp32 = _converter(_float32, LOW_PRECISION, self.device_filter, None)
-        if cpu is not cuda and cpu is not None and cuda is not None:
-            self.fast = (None, None)
-        else:
-            on_cuda = None if self.device_filter is None else cpu is None
-            self.fast = (
-                FastCast(cpu or cuda, on_cuda, cache, self.to_low),
-                FastCast(_float32, on_cuda, None, self.to_fp32),
-            )
 
     def dtype_for(self, device_type):
         """The dtype amp casts to on `device_type`, or None where it casts nothing."""
@@ -184,34 +171,12 @@ class CastPolicy:
         )
 
 
-class FastCast(tuple):
-    """(cast, sources, on_cuda, cache, entries, convert): one converter's settings, unpacked by the
-    wrappers in one step. `cast` is the cast method to the target, `sources` the dtypes cast,
-    `on_cuda` None (every device), True (CUDA tensors only) or False (CPU tensors only), `cache`
-    the weight-cast cache (None: none), `entries` its dict for the target (a wrapper storing an
-    entry there follows WeightCastCache.get_cast's rules and sets `cache.filled`), `convert` the
-    converter itself (for nested sequences)."""
-
-    __slots__ = ()
-
-    def __new__(cls, target, on_cuda, cache, convert):
-        sources = LOW_PRECISION if target is _float32 else CASTABLE - {target}
-        entries = None if cache is None else cache.entries_for(target)
-        fields = (_CAST_METHODS[target], sources, on_cuda, cache, entries, convert)
-        return tuple.__new__(cls, fields)
-
-
 def _no_device(tensor):
     return False
 
 
 def _cast_nothing(values):
     return None
-
-
-# The fast settings of a policy that casts nothing: no source dtype, so the wrappers' inlined
-# loop passes every tensor through.
-_NO_CASTS = tuple.__new__(FastCast, (None, frozenset(), None, None, None, _cast_nothing))
 
 
 def _chain(first, second):
@@ -257,67 +222,79 @@ def with_device(policy, device_type, dtype, cache_enabled, float8=KEEP):
 class WeightCastCache:
     """Low-precision copies of FP32 leaf tensors (weights), reused within one iteration.
 
-    An entry is keyed by the weight and the target dtype, and is served only while the weight's
-    version counter and storage are unchanged, so an in-place update (an optimizer step, an EMA
-    swap, `param.copy_`) or a `param.data = ...` swap is never answered with a stale cast.
+    Two caches hold them: amp's own, for the calls amp casts, and torch's autocast cache, for the
+    calls torch's autocast casts where amp's tables agree with it (native_autocast.py).
+    An entry of amp's is keyed by the weight and the target dtype, and is served only while the
+    weight's version counter and storage are unchanged, so an in-place update (an optimizer step,
+    an EMA swap, `param.copy_`) or a `param.data = ...` swap is never answered with a stale cast.
     A cast made in grad mode serves every later use. One made under no_grad has no autograd edge
     to the weight: it serves no_grad uses, and the first use in grad mode casts again and
     replaces it. Casts made in inference mode are not kept (inference tensors cannot join a
     graph later).
-    Writes through `param.data` bypass the version counter; amp clears the cache after every
-    optimizer step it drives, when `scale_loss` starts and ends, and when the outermost autocast
-    region exits.
+    torch's cache checks neither version nor storage: `clear` empties both caches, and amp calls
+    it after every optimizer step (any torch.optim optimizer while amp casts), when `scale_loss`
+    starts and ends, and when the outermost region exits (torch's own exit does the same). A
+    weight written in place by other means between two uses in one region is served its earlier
+    cast by torch's cache, as under torch.autocast: `torch.clear_autocast_cache()` after such a
+    write, or a region with cache_enabled=False, casts it anew.
     """
 
     def __init__(self):
-        # dtype -> {weight._cdata: (the weight, its version, its data_ptr, the cast)}. `_cdata`
+        # dtype -> {weight._cdata: (the weight, its version, its storage, the cast)}. `_cdata`
         # (the address of the weight's TensorImpl, an attribute: no call) is unique among live
         # tensors; holding the weight keeps nothing alive that a grad-mode cast does not already
         # hold (through its autograd node), and it rules out a recycled address while the entry
-        # exists, so a key found is the weight's own.
+        # exists, so a key found is the weight's own. Holding the storage the cast was made from
+        # does the same for a storage swapped out from under the weight. Storages are compared
+        # by address (`_storage_id`), which FakeTensors answer (their data_ptr warns).
         self._entries = {dtype: {} for dtype in CASTABLE}
         self._all = tuple(self._entries.values())
-        # True once an entry may have been stored since the last clear: the hot callers test it
-        # (an attribute) before calling clear, which then costs nothing on steps with no casts.
+        # True once an entry may be held, in either cache, since the last clear: the hot callers
+        # test it (an attribute) before calling clear, which then costs nothing on steps with no
+        # casts. torch's cache fills without amp seeing it wherever amp casts: regions and O1
+        # set it, and it stays set while they hold the patches.
         self.filled = False
+        self._own_filled = False  # amp's own cache may hold entries
 
     def __len__(self):
+        """The entries of amp's own cache."""
         return sum(map(len, self._entries.values()))
-
-    def entries_for(self, dtype):
-        """The dict of entries for casts to `dtype`, {weight._cdata: (weight, version, data_ptr,
-        cast)}: the same dict for the cache's lifetime (`clear` empties it in place). Whoever
-        stores an entry there sets `filled`."""
-        return self._entries[dtype]
 
     def get_cast(self, dtype):
         """The function tensor -> its cast to `dtype`, through the cache."""
         entries = self._entries[dtype]
         cast = _CAST_METHODS[dtype]
-        data_ptr = _TensorBase.data_ptr
+        storage_id = torch._C._storage_id
         is_grad_enabled = torch.is_grad_enabled
         is_inference_mode_enabled = torch.is_inference_mode_enabled
 
         def cached_cast(tensor):
             key = tensor._cdata
             if key in entries:
-                _, version, pointer, result = entries[key]
+                _, version, storage, result = entries[key]
                 if (
                     tensor._version == version
-                    and data_ptr(tensor) == pointer
+                    and storage_id(tensor) == storage._cdata
                     and (result.requires_grad or not is_grad_enabled())
                 ):
                     return result
             result = cast(tensor)
             if result.requires_grad or not is_inference_mode_enabled():
-                entries[key] = (tensor, tensor._version, data_ptr(tensor), result)
-                self.filled = True
+                entries[key] = (tensor, tensor._version, tensor.untyped_storage(), result)
+                self.filled = self._own_filled = True
             return result
 
         return cached_cast
 
     def clear(self):
-        for entries in self._all:
-            if entries:
-                entries.clear()
-        self.filled = False
+        """Empty amp's cache and torch's."""
+        if self._own_filled:
+            for entries in self._all:
+                if entries:
+                    entries.clear()
+            self._own_filled = False
+        _clear_torch_cache()
+        self.filled = bool(amp_state.patch_users)
+
+
+_clear_torch_cache = torch.clear_autocast_cache

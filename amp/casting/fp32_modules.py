@@ -16,7 +16,7 @@ import fnmatch
 import torch
 
 from .._state import amp_state
-from .autocast import policy_scope
+from .regions import enter_scope, exit_scope
 from .cast_tree import cast_tree
 
 __all__ = ["resolve", "keeps", "FP32Inputs", "RestoreCasting", "install"]
@@ -79,9 +79,7 @@ class FP32Inputs:
     thread's state."""
 
     def __call__(self, module, args, kwargs):
-        scope = policy_scope(None)
-        scope.__enter__()
-        amp_state.thread.fp32_scopes.append(scope)
+        amp_state.thread.fp32_scopes.append(enter_scope(None))
         return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
 
 
@@ -94,7 +92,7 @@ class RestoreCasting:
     def __call__(self, module, args, output):
         scopes = amp_state.thread.fp32_scopes
         if scopes:
-            scopes.pop().__exit__(None, None, None)
+            exit_scope(scopes.pop())
         if self.dtype is None:
             return output
         output = cast_tree(output, self.dtype)

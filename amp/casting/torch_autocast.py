@@ -1,13 +1,19 @@
-"""PyTorch's autocast surface, answered from amp's state: one truth in both directions.
+"""torch.autocast regions as amp regions, and backward without autocast, while amp's patches are
+installed.
 
-While amp's patches are installed, the Python functions through which PyTorch and libraries ask
-about autocast (`torch.is_autocast_enabled`, `torch.get_autocast_dtype`, ...) report amp's casting
-state in the calling thread, and `torch.autocast` regions on cpu/cuda are amp regions. So
-`torch.utils.checkpoint` recomputes under the state the forward saw, `torch.amp.custom_fwd` turns
-amp's casting off for its body, `RNNBase.check_input` accepts low-precision inputs, and
-`torch.autocast(enabled=False)` islands run in FP32, all decided by amp's tables. torch's own
-(dispatcher-level) autocast stays off, so backward is never autocast and an op runs once, as amp
-decides. In a thread where amp has said nothing (no region, no O1), the originals answer.
+torch's autocast state is amp's (native_autocast.py), so torch's readers
+(`torch.is_autocast_enabled`, `torch.get_autocast_dtype`, ...) report amp's casting as they are,
+and `torch.utils.checkpoint`, `torch.amp.custom_fwd` and `RNNBase.check_input` see it. Two things
+are patched:
+
+- `torch.autocast.__enter__` / `__exit__`: a torch.autocast region on cpu/cuda opens an amp
+  region (amp.autocast's), which sets torch's state as torch's own region would and also keeps
+  amp's policy, its weight-cast cache and float8 in step. So `torch.autocast(enabled=False)` is
+  an FP32 island and a nested `torch.autocast(dtype=X)` a region in X, as amp's tables decide.
+- `torch.autograd`'s engine entry: a backward pass (backward(), autograd.grad) runs with casting
+  off, as it does after a torch.autocast region (O1 casts for the whole run, backward included):
+  the backward of an FP32 island stays FP32. `custom_bwd` and checkpoint's recomputation open
+  their own regions.
 """
 
 import functools
@@ -15,157 +21,20 @@ import sys
 
 import torch
 
-from .._state import INHERIT, amp_state
-from . import native_autocast as native_state
-from .autocast import enter_region, exit_region
-from .casts import DEVICE_TYPES
 from ..patching import ORIGINAL_ATTRIBUTE
+from . import native_autocast as native_state
+from .casts import DEVICE_TYPES
+from .regions import enter_region, exit_region
 
-__all__ = ["first_policy", "patches"]
+__all__ = ["patches"]
 
-_thread = amp_state.thread
 _is_compiling = torch.compiler.is_compiling
 _GRAPH_ENTER = torch.amp.autocast_mode._enter_autocast.__code__  # FX graphs' autocast entry
-
-
-class _TorchRegion:
-    """The policy of a thread that amp first sees inside a torch.autocast region of torch's own
-    (opened before amp's patches were installed, so torch's dispatcher casts there).
-
-    While torch's autocast is on in the thread amp casts nothing and torch's readers answer, so
-    an op is cast once, as torch alone would. Once it is off the thread inherits amp's policy
-    again (O1's): the region's `__exit__` was bound before amp patched it, so amp notices at the
-    thread's next patched call. Duck-types CastPolicy for the wrappers and regions.
-    """
-
-    __slots__ = ()
-
-    def current(self):
-        """None while torch's region is on; else the policy the thread inherits from now on."""
-        if native_state.any_enabled():
-            return None
-        if _thread.policy is self:
-            _thread.policy = INHERIT
-        return amp_state.default_policy
-
-    def _ask(self, name, default, *args):
-        policy = self.current()
-        if policy is None:
-            return default
-        value = getattr(policy, name)
-        return value(*args) if args else value
-
-    cpu = property(lambda self: self._ask("cpu", None))
-    cuda = property(lambda self: self._ask("cuda", None))
-    cache_enabled = property(lambda self: self._ask("cache_enabled", True))
-    float8 = property(lambda self: self._ask("float8", None))
-    device_filter = property(lambda self: self._ask("device_filter", _nothing))
-
-    fast = (None, None)  # the wrappers call to_low / to_fp32 below: they answer as of now
-
-    def to_low(self, values):
-        return self._ask("to_low", None, values)
-
-    def to_fp32(self, values):
-        return self._ask("to_fp32", None, values)
-
-    def dtype_for(self, device_type):
-        return self._ask("dtype_for", None, device_type)
-
-    def target_for(self, tensor):
-        return self._ask("target_for", None, tensor)
-
-
-def _nothing(tensor):
-    return False
-
-
-_TORCH_REGION = _TorchRegion()
-
-
-def first_policy():
-    """A thread's policy when amp first sees it (AmpState.first_policy)."""
-    return _TORCH_REGION if native_state.any_enabled() else INHERIT
-
-
-def _amp_policy():
-    """(amp decides in this thread, its policy): a region set the policy here, or O1 did for
-    every thread. While torch.compile compiles, torch's own state answers: Dynamo saves and
-    restores the global autocast state around tracing with torch's setters."""
-    if _is_compiling():
-        return False, None
-    policy = _thread.policy
-    if policy is INHERIT:
-        policy = amp_state.default_policy
-        return policy is not None, policy
-    if policy is _TORCH_REGION:
-        policy = policy.current()
-        return policy is not None, policy
-    return True, policy
-
-
-def _reader(original, answer):
-    """A replacement for torch reader `original`: `answer(policy, *args, **kwargs)` where amp
-    decides (NotImplemented falls back to the original), the original elsewhere."""
-
-    @functools.wraps(original)
-    def read(*args, **kwargs):
-        decides, policy = _amp_policy()
-        if decides:
-            try:
-                result = answer(policy, *args, **kwargs)
-            except TypeError:  # a call torch refuses: torch's own error
-                result = NotImplemented
-            if result is not NotImplemented:
-                return result
-        return original(*args, **kwargs)
-
-    return _mark(read, original)
 
 
 def _mark(replacement, original):
     setattr(replacement, ORIGINAL_ATTRIBUTE, original)
     return replacement
-
-
-def _amp_dtype(policy, device_type):
-    """amp's dtype on `device_type` ("cpu:0" counts as "cpu"), or None: where amp casts nothing
-    torch's own state answers (off, unless a torch.autocast region opened before amp was used)."""
-    if policy is None or not isinstance(device_type, str):
-        return None
-    return policy.dtype_for(device_type.partition(":")[0])
-
-
-def _enabled(policy, device_type="cuda"):
-    # torch.is_autocast_enabled() without a device asks about CUDA (its deprecated form).
-    return NotImplemented if _amp_dtype(policy, device_type) is None else True
-
-
-def _dtype(policy, device_type):
-    dtype = _amp_dtype(policy, device_type)
-    return NotImplemented if dtype is None else dtype
-
-
-def _cache_enabled(policy):
-    return NotImplemented if policy is None else policy.cache_enabled
-
-
-def _any_enabled(policy):
-    if policy is None or (policy.cpu is None and policy.cuda is None):  # none, or float8 alone
-        return NotImplemented
-    return True
-
-
-def _cpu_enabled(policy):
-    return _enabled(policy, "cpu")
-
-
-def _cpu_dtype(policy):
-    return _dtype(policy, "cpu")
-
-
-def _gpu_dtype(policy):
-    return _dtype(policy, "cuda")
 
 
 def _enter(original):
@@ -200,27 +69,26 @@ def _exit(original):
     return _mark(__exit__, original)
 
 
-_READERS = {
-    "is_autocast_enabled": _enabled,
-    "get_autocast_dtype": _dtype,
-    "is_autocast_cache_enabled": _cache_enabled,
-    "is_autocast_cpu_enabled": _cpu_enabled,
-    "get_autocast_cpu_dtype": _cpu_dtype,
-    "get_autocast_gpu_dtype": _gpu_dtype,
-}
+def _backward(original):
+    @functools.wraps(original)
+    def run_backward(*args, **kwargs):
+        if not native_state.any_enabled():
+            return original(*args, **kwargs)
+        # torch's autocast excluded, which the engine carries into its threads; amp's policy as
+        # it is, so checkpoint's recomputation (a torch.autocast region, which sets the
+        # forward's state again) keeps its float8 recipe.
+        with native_state.without_autocast():
+            return original(*args, **kwargs)
+
+    return _mark(run_backward, original)
 
 
 def patches():
-    """(namespace, name, make_replacement) for every attribute of torch's autocast surface."""
-    found = [
-        (torch, name, functools.partial(_reader, answer=answer))
-        for name, answer in _READERS.items()
-        if hasattr(torch, name)
-    ]
-    found.append(
-        (torch._C, "_is_any_autocast_enabled", functools.partial(_reader, answer=_any_enabled))
-    )
+    """(namespace, name, make_replacement) for torch.autocast's enter and exit and the engine
+    entry of backward passes."""
     autocast_class = torch.amp.autocast_mode.autocast
-    found.append((autocast_class, "__enter__", _enter))
-    found.append((autocast_class, "__exit__", _exit))
-    return found
+    return [
+        (autocast_class, "__enter__", _enter),
+        (autocast_class, "__exit__", _exit),
+        (torch.autograd, "_engine_run_backward", _backward),
+    ]

@@ -1,20 +1,41 @@
-"""Wrapper factories for patched functions: run in low precision, in FP32, in the widest type, or refuse.
+"""Wrapper factories for patched functions: amp's decision where its tables differ from torch's.
 
-A wrapper is a plain closure rather than a `wrapt.FunctionWrapper`: on a `torch.Tensor` method the
-closure costs about 0.25 us per call against 0.7 us for wrapt's bound proxy (benchmarks/), and a
-plain function binds `self` as the first positional argument, so one closure shape serves module
-functions and Tensor methods alike.
+torch's autocast state is amp's (native_autocast.py). A wrapper calls its original at once where
+torch's autocast is off in the calling thread. Where it is on, the wrapper looks at the device of
+the call, and what lists/agreement.py decided for it there: TORCH (torch's autocast casts this op
+as amp's table says) passes the call on; AMP casts the arguments as the table says and calls the
+original; AMP_ALONE does the same with torch's autocast off for the call (torch would cast the
+op, or ops it calls, another way). FP32 ops with a fixed signature get a wrapper written for it
+(signatures.py) that returns at once when no argument is in low precision.
+
+While an `amp.trace()` block is open anywhere, every table entry is wrapped (torch_patches.py),
+and in the tracing thread amp casts every call itself (torch's autocast off inside) and records
+it.
+
+A wrapper is a plain closure rather than a `wrapt.FunctionWrapper`: on a `torch.Tensor` method it
+costs a fraction of wrapt's bound proxy, and a plain function binds `self` as the first positional
+argument, so one closure shape serves module functions and Tensor methods alike.
 """
 
 import functools
 
 import torch
 
-from .._state import INHERIT, amp_state
+from .._state import amp_state
 from ..diagnostics.trace import traced_call
-from ..lists import BANNED, FP32, LOWER_PRECISION, PROMOTE, SEQUENCE_PROMOTE
+from ..lists import (
+    BANNED,
+    FP32,
+    INPUT_DTYPE,
+    LOWER_PRECISION,
+    PROMOTE,
+    SEQUENCE_PROMOTE,
+    UNPATCHED,
+)
+from ..lists.agreement import AMP_ALONE, TORCH, aten_op, decision
 from ..patching import ORIGINAL_ATTRIBUTE
-from .casts import CASTABLE, LOW_PRECISION, PLAIN_ARGUMENTS, SEQUENCES, ExplicitDtype
+from . import native_autocast as native_state
+from .casts import CASTABLE, LOW_PRECISION, SEQUENCES, ExplicitDtype, policy_for
 
 __all__ = [
     "cast_lower_precision",
@@ -23,25 +44,45 @@ __all__ = [
     "cast_sequence_promote",
     "refuse_low_precision",
     "CASTERS",
+    "current_policy",
+    "deciders_for",
     "compiled_call",
+    "make_deciding",
+    "make_tracing",
     "make_wrapper",
 ]
 
 
 _Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
-_TENSOR_CLASSES = frozenset((_Tensor, _Parameter))  # what model code passes, tested first
 _dtype = torch.dtype
 _float32 = torch.float32
-_data_ptr = torch._C.TensorBase.data_ptr
-_is_grad_enabled = torch.is_grad_enabled
-_is_inference_mode_enabled = torch.is_inference_mode_enabled
+_any_enabled = native_state.any_enabled
+_is_enabled = native_state.is_enabled
+_dtype_of = native_state.dtype_of
+_cache_enabled = torch.is_autocast_cache_enabled
+_without_autocast = native_state.without_autocast
 # `torch.compiler.is_compiling()` is `False if torch.jit.is_scripting() else _is_compiling_flag`
 # eagerly (two calls; a wrapper is never scripted) and a constant True under Dynamo, as is
-# `is_dynamo_compiling()`; the flag covers torch.export's non-Dynamo tracing. Read in this order,
-# the test costs one call eagerly, and Dynamo never reads (so never guards on) the flag.
+# `is_dynamo_compiling()`; the flag covers torch.export's non-Dynamo tracing.
 _compiler = torch.compiler
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def current_policy():
+    """The CastPolicy of torch's autocast state in this thread (the one truth), or None."""
+    if not _any_enabled():
+        return None
+    cpu = _dtype_of("cpu") if _is_enabled("cpu") else None
+    cuda = _dtype_of("cuda") if _is_enabled("cuda") else None
+    return policy_for(cpu, cuda, _cache_enabled())
+
+
+def deciders_for(kind, op):
+    """{device type: TORCH | AMP | AMP_ALONE} for a call of aten op `op` (None: a function torch
+    cannot see as one op) that amp's table gives policy `kind`."""
+    return {device: decision(kind, op, device) for device in _DEVICE_TYPES}
 
 
 def _cast_arguments(convert, args, kwargs):
@@ -107,6 +148,10 @@ def cast_sequence_promote(policy, args, kwargs):
     return (new_sequence,) + tuple(rest), kwargs
 
 
+def _as_given(policy, args, kwargs):
+    return None
+
+
 def refuse_low_precision(name, message):
     def caster(policy, args, kwargs):
         found = _floating_dtypes(args, policy, set())
@@ -124,12 +169,42 @@ CASTERS = {
     FP32: cast_fp32,
     PROMOTE: cast_promote,
     SEQUENCE_PROMOTE: cast_sequence_promote,
+    INPUT_DTYPE: _as_given,
 }
 
 
-# Where a policy's `fast` settings sit for each kind (casts.FastCast), for the inlined path of
-# untraced calls.
-_FAST_SLOTS = {LOWER_PRECISION: 0, FP32: 1}
+def _caster(kind, name, message):
+    return refuse_low_precision(name, message) if kind == BANNED else CASTERS[kind]
+
+
+def _device_of(values):
+    """The device type of the first tensor among `values` (looking into lists and tuples)."""
+    for value in values:
+        if isinstance(value, _Tensor):
+            return value.device.type
+        if value.__class__ in SEQUENCES:
+            found = _device_of(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _compiling():
+    return _is_dynamo_compiling() or _compiler._is_compiling_flag
+
+
+def _amp_call(original, caster, alone, policy, args, kwargs):
+    """Run the call as amp's table says: its arguments cast, torch's autocast off if `alone`."""
+    if kwargs and ("out" in kwargs or kwargs.get("dtype") is not None):
+        new = None  # an out= call, or one naming its dtype, runs as asked
+    else:
+        new = caster(policy, args, kwargs)
+    if new is not None:
+        args, kwargs = new
+    if alone:
+        with _without_autocast():
+            return original(*args, **kwargs)
+    return original(*args, **kwargs)
 
 
 def _traceable_cast(values, target_of):
@@ -147,9 +222,21 @@ def _traceable_cast(values, target_of):
     return cast
 
 
-def compiled_call(original, kind, name, message, policy, args, kwargs):
-    """The patched call as torch.compile traces it: the same casts as eager, without the weight
-    cache (the compiled graph makes each cast once) and without amp.trace records."""
+def compiled_call(original, kind, name, message, args, kwargs, alone):
+    """The call amp decides as torch.compile traces it: the same casts as eager, without amp's
+    weight cache (the compiled graph makes each cast once) and without amp.trace records; torch's
+    autocast off around the call where amp decides `alone` (Dynamo knows torch.autocast)."""
+    policy = current_policy()
+    device = _device_of((*args, *kwargs.values()))
+    if policy is None or device is None or policy.dtype_for(device) is None:
+        return original(*args, **kwargs)
+    if not alone:
+        return _compiled_cast_call(original, kind, name, message, policy, args, kwargs)
+    with torch.autocast(device, enabled=False):
+        return _compiled_cast_call(original, kind, name, message, policy, args, kwargs)
+
+
+def _compiled_cast_call(original, kind, name, message, policy, args, kwargs):
     if kwargs.get("out") is not None or kwargs.get("dtype") is not None:
         return original(*args, **kwargs)
     if any(isinstance(value, _dtype) for value in args):
@@ -159,6 +246,8 @@ def compiled_call(original, kind, name, message, policy, args, kwargs):
     if kind == BANNED:
         if found & LOW_PRECISION:
             raise NotImplementedError(message or f"amp refuses to run {name} in low precision.")
+        return original(*args, **kwargs)
+    if kind == INPUT_DTYPE:
         return original(*args, **kwargs)
     if kind == LOWER_PRECISION:
 
@@ -180,135 +269,98 @@ def compiled_call(original, kind, name, message, policy, args, kwargs):
     return original(*cast[: len(args)], **dict(zip(kwargs, cast[len(args) :])))
 
 
-def make_wrapper(original, kind, name, message=None):
-    """A replacement for `original` that applies the casting policy `kind` when amp is casting.
+def _finish(wrapper, original, kind):
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, ORIGINAL_ATTRIBUTE, original)
+    wrapper.__amp_kind__ = kind
+    return wrapper
 
-    Calls pass through untouched when no policy is in force, for `out=` calls, and when the call
-    names its dtype (`dtype=` or positionally): an explicit dtype runs as asked.
-    """
-    caster = refuse_low_precision(name, message) if kind == BANNED else CASTERS[kind]
-    slot = _FAST_SLOTS.get(kind)
-    thread = amp_state.thread
-    state = amp_state
 
-    def amp_wrapper(*args, **kwargs):
-        if not state.active:  # nothing casts or traces anywhere: the original, at once
-            return original(*args, **kwargs)
-        policy = thread.policy
-        if policy is INHERIT:
-            policy = state.default_policy
-        # `state.traces` (amp.trace blocks open in any thread, a plain attribute) before this
-        # thread's own trace (a threading.local read, about three times the cost).
+def _decider_of(deciders):
+    on_cpu, on_cuda = deciders["cpu"], deciders["cuda"]
+
+    def decider_for(args, kwargs):
+        """The decider of a call, by the device of its first tensor (None: another device)."""
+        device = _device_of(args) or (_device_of(kwargs.values()) if kwargs else None)
+        if device == "cpu":
+            return on_cpu, device
+        if device == "cuda":
+            return on_cuda, device
+        return None, device
+
+    return decider_for
+
+
+def make_deciding(original, kind, name, message, deciders):
+    """The decision of one call where torch's autocast is on: (args, kwargs) -> result. For the
+    wrappers, and for the fixed-signature ones (signatures.py) on their rare path."""
+    caster = _caster(kind, name, message)
+    decider_for = _decider_of(deciders)
+
+    def decide(args, kwargs):
+        decider, device = decider_for(args, kwargs)
+        if decider is None or decider is TORCH or not _is_enabled(device):
+            return original(*args, **kwargs)  # under torch.compile too: Dynamo's autocast
+        if _compiling():
+            alone = decider is AMP_ALONE
+            return compiled_call(original, kind, name, message, args, kwargs, alone)
+        policy = current_policy()
+        return _amp_call(original, caster, decider is AMP_ALONE, policy, args, kwargs)
+
+    return decide
+
+
+def make_tracing(original, kind, name, message, deciders):
+    """A call in a thread with an open amp.trace(): amp casts it as its table says (torch's
+    autocast off inside where amp decides alone) and records it. (args, kwargs) -> result."""
+    caster = _caster(kind, name, message)
+    decider_for = _decider_of(deciders)
+
+    def trace(args, kwargs):
+        if _compiling():  # nothing is recorded inside a compiled graph
+            alone = decider_for(args, kwargs)[0] is AMP_ALONE
+            return compiled_call(original, kind, name, message, args, kwargs, alone)
+        policy = current_policy()
         if policy is None:
-            if not state.traces or thread.trace is None:
-                return original(*args, **kwargs)
             return traced_call(original, name, kind, None, None, args, kwargs)
-        if slot is not None and not state.traces:
-            fast = policy.fast[slot]
-            if fast is not None:
-                # The common call, the policy's converter and the weight-cast cache inlined (the
-                # same rules as casts._converter and WeightCastCache.get_cast): it runs for every
-                # patched op of a model, and each Python call here is host time per op. Dynamo
-                # traces it as plain code; the compile test (see _compiler) runs only where the
-                # cache would be used, which the compiled path goes without. Keyword arguments
-                # are read with the positional ones (`x.sum(dim=-1)`, `is_causal=True`).
-                if kwargs:
-                    if "out" in kwargs:
-                        return original(*args, **kwargs)  # an out= call runs as asked
-                    values = (*args, *kwargs.values())
-                else:
-                    values = args
-                cast, sources, on_cuda, cache, entries, convert = fast
-                new_values = None
-                compiling = None
-                for index, value in enumerate(values):
-                    # type(), not __class__: Dynamo answers `x.__class__ in a_set` wrongly for
-                    # constants (and fails its own guard on it), `type(x) in a_set` rightly. The
-                    # usual classes first, isinstance (a call) last: sizes and strides are tuples.
-                    value_class = type(value)
-                    if value_class in _TENSOR_CLASSES:
-                        pass
-                    elif value_class in PLAIN_ARGUMENTS:
-                        continue
-                    elif value_class in SEQUENCES:
-                        for item in value:  # sizes and the like: nothing to cast, no call
-                            if type(item) not in PLAIN_ARGUMENTS:
-                                break
-                        else:
-                            continue
-                        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
-                            return compiled_call(
-                                original, kind, name, message, policy, args, kwargs
-                            )
-                        try:
-                            inner = convert(value)
-                        except ExplicitDtype:
-                            return original(*args, **kwargs)
-                        if inner is not None:
-                            if new_values is None:
-                                new_values = list(values)
-                            new_values[index] = value_class(inner)
-                        continue
-                    elif value_class is _dtype:
-                        return original(*args, **kwargs)  # the call names its dtype: as asked
-                    elif not isinstance(value, _Tensor):
-                        continue
-                    dtype = value.dtype
-                    if dtype not in sources:
-                        continue
-                    if on_cuda is not None and value.is_cuda is not on_cuda:
-                        continue
-                    if new_values is None:
-                        new_values = list(values)
-                    if (
-                        entries is None
-                        or dtype is not _float32
-                        or not value.requires_grad
-                        or not value.is_leaf
-                    ):
-                        new_values[index] = cast(value)
-                        continue
-                    if compiling is None:
-                        compiling = _is_dynamo_compiling() or _compiler._is_compiling_flag
-                    if compiling:
-                        new_values[index] = cast(value)
-                        continue
-                    key = value._cdata  # no call, unlike id() and dict.get
-                    if key in entries:
-                        entry = entries[key]
-                        if (
-                            entry[1] == value._version
-                            and entry[2] == _data_ptr(value)
-                            and (entry[3].requires_grad or not _is_grad_enabled())
-                        ):
-                            new_values[index] = entry[3]
-                            continue
-                    result = new_values[index] = cast(value)
-                    # A cast that requires grad was made in grad mode: kept for every later use.
-                    # Reading that off the cast spares a grad-mode call per weight.
-                    if result.requires_grad or not _is_inference_mode_enabled():
-                        entries[key] = (value, value._version, _data_ptr(value), result)
-                        cache.filled = True
-                if new_values is None:
-                    return original(*args, **kwargs)
-                if not kwargs:
-                    return original(*new_values)
-                positional = len(args)
-                new_kwargs = dict(zip(kwargs, new_values[positional:]))
-                return original(*new_values[:positional], **new_kwargs)
-        if _is_dynamo_compiling() or _compiler._is_compiling_flag:
-            return compiled_call(original, kind, name, message, policy, args, kwargs)
         if kwargs and ("out" in kwargs or kwargs.get("dtype") is not None):
             new = None
         else:
             new = caster(policy, args, kwargs)
-        if thread.trace is not None:
-            return traced_call(original, name, kind, policy, new, args, kwargs)
-        if new is None:
-            return original(*args, **kwargs)
-        return original(*new[0], **new[1])
+        if decider_for(args, kwargs)[0] is AMP_ALONE:
+            with _without_autocast():
+                return traced_call(original, name, kind, policy, new, args, kwargs)
+        # Where torch's autocast decides, it finds the arguments cast already.
+        return traced_call(original, name, kind, policy, new, args, kwargs)
 
-    functools.update_wrapper(amp_wrapper, original)
-    setattr(amp_wrapper, ORIGINAL_ATTRIBUTE, original)
-    amp_wrapper.__amp_kind__ = kind
-    return amp_wrapper
+    return trace
+
+
+def make_wrapper(original, kind, name, message=None, deciders=None):
+    """A replacement for `original` that applies the casting policy `kind` where torch's
+    autocast is on in the calling thread (amp's casting is in force), and calls `original`
+    untouched elsewhere; in a thread with an open amp.trace() it records every call.
+
+    `deciders` ({device type: TORCH | AMP | AMP_ALONE}) says who decides a call on each device;
+    by default lists/agreement.py's answer for the aten op `original` is (AMP for a Python
+    function). Calls pass through untouched for `out=` calls and when the call names its dtype
+    (`dtype=` or positionally): an explicit dtype runs as asked.
+    """
+    if deciders is None:
+        deciders = deciders_for(kind, aten_op(None, name, original))
+    decide = make_deciding(original, kind, name, message, deciders)
+    # A call the tables run as given is not recorded (it never was: amp patched none).
+    trace = None if kind in UNPATCHED else make_tracing(original, kind, name, message, deciders)
+    state = amp_state
+    thread = amp_state.thread
+
+    def amp_wrapper(*args, **kwargs):
+        # `state.traces` (amp.trace blocks open in any thread, a plain attribute) before this
+        # thread's own trace (a threading.local read, about three times the cost).
+        if trace is not None and state.traces and thread.trace is not None:
+            return trace(args, kwargs)
+        if not _any_enabled():  # torch's autocast, which is amp's, is off in this thread
+            return original(*args, **kwargs)
+        return decide(args, kwargs)
+
+    return _finish(amp_wrapper, original, kind)

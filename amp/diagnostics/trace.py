@@ -121,7 +121,8 @@ def traced_call(original, name, kind, policy, new, args, kwargs, ran_in=None):
 
 @contextlib.contextmanager
 def trace() -> Iterator[Trace]:
-    """Record every patched call made in this thread inside the block.
+    """Record every call of an op amp's tables decide made in this thread inside the block
+    (while a block is open, amp casts each such call itself, where torch's autocast would have).
 
     Example::
 
@@ -136,6 +137,7 @@ def trace() -> Iterator[Trace]:
     with amp_state.lock:
         amp_state.traces += 1
         amp_state.active = True
+        amp_state.torch_patches.tracing_changed()  # every table entry wrapped while tracing
     thread.trace = current
     try:
         yield current
@@ -144,5 +146,6 @@ def trace() -> Iterator[Trace]:
         with amp_state.lock:
             amp_state.traces -= 1
             amp_state.refresh_active()
+            amp_state.torch_patches.tracing_changed()
         if outer is not None:
             outer.records.extend(current.records)

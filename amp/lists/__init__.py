@@ -55,11 +55,12 @@ TABLES = (
     rnn_overrides,
 )
 
-# Entries torch's type promotion already handles: listed, checked, never patched.
+# Entries torch's type promotion already handles: listed, checked, run as given.
 PROMOTED_BY_TORCH = "promoted_by_torch"
-# Entries apex ran in FP32 that run in their input's dtype, as under torch.autocast: listed,
-# checked, never patched.
+# Entries that run in their input's dtype (apex ran some in FP32): listed, checked, run as given.
 INPUT_DTYPE = "input_dtype"
+# The kinds that run their calls as given. amp patches such an entry only on a device where
+# torch's autocast would cast it (agreement.py), to run it as given there too.
 UNPATCHED = (PROMOTED_BY_TORCH, INPUT_DTYPE)
 
 # Which list of a table holds which policy kind.
@@ -109,12 +110,11 @@ NOT_IN_TABLES = {
     "upsample_trilinear3d": _BINDING_OF_INTERPOLATE,
     "upsample_bicubic2d": _BINDING_OF_INTERPOLATE,
     "_upsample_bicubic2d_aa": _BINDING_OF_INTERPOLATE,
-    "reflection_pad1d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
-    "reflection_pad2d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
-    "replication_pad1d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
-    "replication_pad2d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
-    "replication_pad3d": "F.pad stays in its input's dtype (torch's CPU autocast upcasts these pads for speed only)",
-    "view_as_complex": "casting would turn a view into a copy",
+    "reflection_pad1d": "a torch._C._nn binding of F.pad (C_BINDINGS)",
+    "reflection_pad2d": "a torch._C._nn binding of F.pad (C_BINDINGS)",
+    "replication_pad1d": "a torch._C._nn binding of F.pad (C_BINDINGS)",
+    "replication_pad2d": "a torch._C._nn binding of F.pad (C_BINDINGS)",
+    "replication_pad3d": "a torch._C._nn binding of F.pad (C_BINDINGS)",
 }
 
 

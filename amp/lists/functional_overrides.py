@@ -86,7 +86,9 @@ FP32_FUNCS = (
 # add casts and traffic (GPT-2's gelu: two casts each way and twice the bytes, per layer). Listed,
 # checked, never patched; `amp.register_float_function(torch.nn.functional, "gelu")` gives apex's
 # choice back.
-INPUT_DTYPE_FUNCS = ("gelu",)
+# F.pad needs no FP32 either (it copies values); torch's CPU autocast runs its reflection and
+# replication kernels in FP32 for speed only.
+INPUT_DTYPE_FUNCS = ("gelu", "pad")
 
 # Where float8 is on (amp.initialize / amp.autocast(float8=...)), these run their three matmuls
 # in FP8 when in features, out features and tokens are multiples of 16 (amp/casting/float8.py);
@@ -170,6 +172,14 @@ C_BINDINGS = {
     "fractional_max_pool2d": ("fractional_max_pool2d",),
     "fractional_max_pool3d": ("fractional_max_pool3d",),
     "binary_cross_entropy": ("binary_cross_entropy",),
+    "pad": (
+        "pad",
+        "reflection_pad1d",
+        "reflection_pad2d",
+        "replication_pad1d",
+        "replication_pad2d",
+        "replication_pad3d",
+    ),
 }
 
 BANNED_FUNCS = (

@@ -123,7 +123,6 @@ FP32_FUNCS = (
     # Pooling and quantisation that torch's CPU autocast runs in FP32
     "max_pool3d",
     "fake_quantize_per_tensor_affine",
-    # Not listed on purpose: view_as_complex (casting would turn a view into a copy).
 )
 
 CASTS = (
@@ -160,7 +159,10 @@ PROMOTED_BY_TORCH = (
 # apex ran std in FP32. torch's kernels accumulate float16 and bfloat16 inputs in FP32 and round
 # once (a standard deviation stays within its input's range), as torch.autocast leaves it. `var`
 # stays FP32: its result is squared, and float16 overflows from a deviation of 256.
-INPUT_DTYPE_FUNCS = ("std",)
+# view_as_complex stays a view of its input: torch's CPU autocast would cast it to FP32 first,
+# turning the view into a copy. _scaled_mm (FP8 matmuls, amp's float8 path) takes its operands
+# and their scales as given: its CPU kernel's inner mm is not cast.
+INPUT_DTYPE_FUNCS = ("std", "view_as_complex", "_scaled_mm")
 
 SEQUENCE_CASTS = (
     "cat",

@@ -160,25 +160,95 @@ def test_cache_disabled_casts_every_time():
     assert counter.casts == 6
 
 
-@pytest.mark.parametrize("update", ["in_place", "data_assignment", "optimizer_step"])
-def test_cache_never_serves_a_stale_weight(update):
+def test_a_weight_stepped_by_any_optimizer_is_cast_anew():
+    """torch's autocast caches the weight casts of the ops it decides (F.linear here) without
+    looking at the weight again: amp empties the cache after every optimizer step, a torch.optim
+    optimizer amp does not know included."""
     linear = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(linear.parameters(), lr=1.0)
+    x = torch.randn(2, 4)
+    with amp.autocast():
+        first = linear(x)
+        first.float().sum().backward()
+        optimizer.step()
+        second = linear(x)
+        expected = F.linear(x.half(), linear.weight.half(), linear.bias.half())
+    assert torch.equal(second, expected)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("update", ["in_place", "data_assignment"])
+def test_amps_own_cache_never_serves_a_stale_weight(update):
+    """The casts amp makes itself (here torch.einsum, which torch's CPU autocast leaves alone)
+    are checked against the weight's version and storage at every use."""
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4)
+    with amp.autocast():
+        first = torch.einsum("ij,kj->ik", x, weight)
+        if update == "in_place":
+            with torch.no_grad():
+                weight.mul_(2)
+        else:
+            weight.data = weight.data * 2
+        second = torch.einsum("ij,kj->ik", x, weight)
+        expected = torch.einsum("ij,kj->ik", x.half(), weight.detach().half())
+    assert torch.equal(second, expected)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("update", ["in_place", "data_assignment"])
+def test_a_weight_written_by_hand_in_a_region_is_cast_anew_once_the_cache_is_emptied(update):
+    """torch's cache (the ops torch decides) sees no in-place write: emptied by
+    torch.clear_autocast_cache(), as under torch.autocast, or by the next region."""
+    linear = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
     with amp.autocast():
         first = linear(x)
         if update == "in_place":
             with torch.no_grad():
                 linear.weight.mul_(2)
-        elif update == "data_assignment":
-            linear.weight.data = linear.weight.data * 2
         else:
-            first.float().sum().backward()
-            optimizer.step()
+            linear.weight.data = linear.weight.data * 2
+        torch.clear_autocast_cache()
         second = linear(x)
-        expected = F.linear(x.half(), linear.weight.half(), linear.bias.half())
-    assert torch.equal(second, expected)
+    with amp.autocast():
+        third = linear(x)
+    expected = F.linear(x.half(), linear.weight.half(), linear.bias.half())
+    assert torch.equal(second, expected) and torch.equal(third, expected)
     assert not torch.equal(first, second)
+
+
+@LOW
+def test_o1_steps_see_each_update_of_the_weights(dtype):
+    """torch's cache holds O1's weight casts from one forward to the next: scale_loss and the
+    step empty it, so that each step's forward casts the weights the last step wrote."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    reference = torch.nn.Linear(4, 4)
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(8, 4)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", dtype=dtype, verbosity=0)
+    try:
+        outputs = []
+        for _ in range(3):
+            out = model(x)
+            outputs.append(out.detach())
+            with amp.scale_loss(out.float().square().mean(), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        amp.deinitialize()
+    for out in outputs:
+        expected = F.linear(x.to(dtype), reference.weight.to(dtype), reference.bias.to(dtype))
+        assert torch.equal(out, expected)
+        loss = F.linear(x.to(dtype), reference.weight.to(dtype), reference.bias.to(dtype))
+        loss.float().square().mean().backward()
+        with torch.no_grad():
+            for param in reference.parameters():
+                param -= 0.5 * param.grad
+                param.grad = None
 
 
 def test_cache_never_serves_the_cast_of_another_weight():
@@ -196,8 +266,7 @@ def test_cleared_cache_keeps_no_weight_alive():
     linear = torch.nn.Linear(4, 4)
     weight = weakref.ref(linear.weight)
     with amp.autocast():
-        linear(torch.randn(2, 4))
-        assert len(amp_state.cast_cache) == 2
+        linear(torch.randn(2, 4))  # cached by torch's autocast: emptied when the region exits
     del linear
     gc.collect()
     assert weight() is None
@@ -231,9 +300,9 @@ def test_backward_frees_the_weight_casts_as_it_goes(dtype):
 
         with torch.autograd.graph.saved_tensors_hooks(keep_a_weakref, lambda tensor: tensor):
             loss = loss_of(model, 0)
-        assert len(amp_state.cast_cache) == 4  # two weights, two biases
+        # scale_loss empties the weight-cast caches (torch's holds the casts of this forward),
+        # so autograd is left the only holder of each.
         with amp.scale_loss(loss, optimizer) as scaled:
-            assert len(amp_state.cast_cache) == 0
             scaled.backward()
             gc.collect()
             assert len(saved) >= 2 and all(ref() is None for ref in saved)
@@ -242,13 +311,17 @@ def test_backward_frees_the_weight_casts_as_it_goes(dtype):
 
 
 def test_inference_mode_casts_are_not_cached():
+    """A cast made in inference mode would fail backward if served later: it is not kept."""
     linear = torch.nn.Linear(4, 4)
     with amp.autocast():
         with torch.inference_mode():
             linear(torch.randn(2, 4))
-        assert len(amp_state.cast_cache) == 0
-        out = linear(torch.randn(2, 4))
+        with CastCounter() as counter:
+            out = linear(torch.randn(2, 4))
+            linear(torch.randn(2, 4))
+        assert counter.casts == 3 + 1  # weight and bias cast anew, then served in grad mode
     out.float().sum().backward()
+    assert linear.weight.grad is not None
 
 
 # -- regions ----------------------------------------------------------------------------------------
@@ -266,19 +339,33 @@ def test_nesting_restores_the_outer_region():
 
 
 def test_patches_stay_between_regions_and_deinitialize_restores_torch():
-    original = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear, torch.autocast.__enter__
+    original = (
+        torch.softmax,
+        torch.Tensor.__dict__.get("sum"),
+        torch.cat,
+        torch.autocast.__enter__,
+        torch.autograd._engine_run_backward,
+    )
+    mm, linear = torch.mm, F.linear
     x = torch.randn(3, 3)
     with amp.autocast():
-        assert torch.mm is not original[0]
+        assert torch.softmax is not original[0]
+        assert torch.mm is mm and F.linear is linear  # torch's autocast casts them as amp would
     # Installed until amp.deinitialize(), so the next region is cheap; outside a region every
     # patched call runs its original untouched.
-    assert torch.mm is not original[0]
-    assert torch.mm(x, x).dtype is torch.float32
-    assert torch.mm(x, x).equal(original[0](x, x))
+    assert torch.softmax is not original[0]
+    assert torch.softmax(x.half(), -1).dtype is torch.float16
+    assert torch.softmax(x, -1).equal(original[0](x, -1))
     amp.deinitialize()
-    current = torch.mm, torch.Tensor.__dict__.get("__matmul__"), F.linear, torch.autocast.__enter__
+    current = (
+        torch.softmax,
+        torch.Tensor.__dict__.get("sum"),
+        torch.cat,
+        torch.autocast.__enter__,
+        torch.autograd._engine_run_backward,
+    )
     assert all(now is then for now, then in zip(current, original))
-    assert "mm" not in vars(torch.Tensor)
+    assert "sum" not in vars(torch.Tensor)
 
 
 def test_exceptions_restore_state():
@@ -321,7 +408,10 @@ def test_regions_are_thread_local():
     assert seen["dtype"] is torch.float32  # a new thread starts outside any region
 
 
-def test_o1_casts_in_every_thread_and_disable_casts_is_local():
+def test_o1_casts_in_its_thread_and_disable_casts_is_local():
+    """O1 casts through torch's autocast state, which is per thread: in the thread that called
+    initialize. A thread started under O1 starts with casting off, as under torch.autocast, and
+    a region there casts."""
     model = torch.nn.Linear(3, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
@@ -330,17 +420,58 @@ def test_o1_casts_in_every_thread_and_disable_casts_is_local():
         seen = {}
 
         def other_thread():
-            seen["dtype"] = torch.mm(x, x).dtype
+            seen["outside"] = torch.mm(x, x).dtype, torch.is_autocast_enabled("cpu")
+            with amp.autocast(dtype=torch.bfloat16):
+                seen["region"] = torch.mm(x, x).dtype
+            seen["after"] = torch.mm(x, x).dtype
 
         with amp.disable_casts():
             worker = threading.Thread(target=other_thread)
             worker.start()
             worker.join()
             assert torch.mm(x, x).dtype is torch.float32
-        assert seen["dtype"] is torch.float16
+        assert seen == {
+            "outside": (torch.float32, False),
+            "region": torch.bfloat16,
+            "after": torch.float32,
+        }
         assert torch.mm(x, x).dtype is torch.float16
     finally:
         amp.deinitialize()
+
+
+def test_deinitialize_from_another_thread_warns_and_leaves_the_o1_thread_alone():
+    amp.initialize(torch.nn.Linear(3, 3), opt_level="O1", verbosity=0)
+    caught = []
+
+    def other_thread():
+        with warnings.catch_warnings(record=True) as found:
+            warnings.simplefilter("always")
+            amp.deinitialize()
+        caught.extend(found)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    try:
+        assert any("another thread than amp.initialize" in str(w.message) for w in caught)
+        assert torch.is_autocast_enabled("cpu")  # this thread's state is only this thread's
+    finally:  # what amp could not reach from the other thread
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_autocast_enabled("cuda", False)
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.set_autocast_dtype("cuda", torch.float16)
+
+
+def test_deinitialize_inside_a_region_of_the_o1_thread_ends_o1_when_the_region_exits():
+    x = torch.randn(3, 3)
+    amp.initialize(torch.nn.Linear(3, 3), opt_level="O1", verbosity=0)
+    with amp.autocast(dtype=torch.bfloat16):
+        amp.deinitialize()
+        assert torch.mm(x, x).dtype is torch.bfloat16  # the region goes on
+    assert torch.mm(x, x).dtype is torch.float32
+    assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
+    assert torch.get_autocast_dtype("cuda") is torch.float16
 
 
 def test_optimizer_step_runs_with_casts_disabled():

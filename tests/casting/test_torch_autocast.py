@@ -1,6 +1,7 @@
-"""The contract with torch.autocast (amp/casting/torch_autocast.py): one truth with PyTorch's
-autocast. torch reads amp's state, and torch.autocast regions are amp regions, under O1 and
-amp.autocast (checkpointing, custom_fwd, FP32 islands, RNNs, compile, threads, devices)."""
+"""The contract with torch.autocast (amp/casting/torch_autocast.py, native_autocast.py): one truth
+with PyTorch's autocast. amp's casting is torch's own autocast state, and torch.autocast regions
+are amp regions, under O1 and amp.autocast (checkpointing, custom_fwd, FP32 islands, RNNs,
+compile, threads, devices)."""
 
 import contextlib
 import threading
@@ -62,12 +63,36 @@ def test_torch_state_is_thread_local_like_amps():
     assert seen["enabled"] is False
 
 
-def test_torch_natives_own_state_stays_off():
-    """amp never turns on torch's dispatcher-level autocast: backward is not autocast."""
+def test_amps_casting_is_torchs_own_state_and_backward_runs_without_it():
+    """torch's dispatcher-level autocast is on with amp's dtypes (it casts the ops on which the
+    tables agree with it), and off during backward: an FP32 island's gradient stays FP32."""
+    readers = torch.is_autocast_enabled, torch.get_autocast_dtype, torch._C._is_any_autocast_enabled
+    a = torch.randn(4, 4, requires_grad=True)
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.mm(grad, grad).dtype))
+            return grad
+
     with amp.autocast(dtype=torch.bfloat16):
-        assert not amp.casting.native_autocast.is_enabled("cpu")
+        assert amp.casting.native_autocast.is_enabled("cpu")
+        assert torch.get_autocast_dtype("cuda") is torch.bfloat16
+        with torch.autocast("cpu", enabled=False):
+            island = Spy.apply(a @ a)  # FP32
+        island.sum().backward()
         with torch.autocast("cpu", dtype=torch.float16):
-            assert not amp.casting.native_autocast.any_enabled()
+            assert amp.casting.native_autocast.dtype_of("cpu") is torch.float16
+    assert (torch.is_autocast_enabled, torch.get_autocast_dtype) == readers[:2]
+    assert torch._C._is_any_autocast_enabled is readers[2]  # torch's readers: never patched
+    assert seen == [(False, torch.float32)]
+    ones, weight = torch.ones(4, 4), a.detach()
+    assert torch.equal(a.grad, ones @ weight.t() + weight.t() @ ones)
 
 
 # -- torch.autocast inside amp's casting ---------------------------------------------------------
@@ -114,13 +139,13 @@ def test_torch_autocast_uses_amps_tables_and_registrations(registrations):
     assert trace.records[0].ran_in is torch.bfloat16
 
 
-def test_a_torch_region_opened_before_amp_is_turned_off_inside_amp():
+def test_a_torch_region_opened_before_amp_and_amps_regions_inside_it_nest_as_one_stack():
     a = torch.randn(8, 8)
     amp.deinitialize()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own region: amp not installed
         with amp.autocast(dtype=torch.float16):
             assert torch.mm(a, a).dtype is torch.float16
-            assert not amp.casting.native_autocast.is_enabled("cpu")
+            assert amp.casting.native_autocast.dtype_of("cpu") is torch.float16
         assert amp.casting.native_autocast.is_enabled("cpu")
         assert torch.mm(a, a).dtype is torch.bfloat16  # torch's own casting again
     assert not amp.casting.native_autocast.is_enabled("cpu")
@@ -450,14 +475,17 @@ def test_compiled_block_trains_in_one_graph_without_recompiles(mode):
     torch._dynamo.reset()
 
 
-def test_wrappers_answer_natively_while_compiling(monkeypatch):
-    """Dynamo saves and restores torch's global autocast state with torch's own setters; while it
-    compiles, the readers must report torch's state, not amp's."""
+def test_wrappers_take_the_compiled_path_while_compiling(monkeypatch):
+    """While torch.export or Dynamo traces, a wrapper casts with plain tensor code (no weight
+    cache), from torch's state as Dynamo saved it."""
+    x = torch.randn(2, 4).half()
     with amp.autocast(dtype=torch.bfloat16):
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
-        assert not torch.is_autocast_enabled("cpu")
+        traced = torch.softmax(x, -1)
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
         assert torch.is_autocast_enabled("cpu")
+    assert traced.dtype is torch.float32
+    assert torch.equal(traced, torch.softmax(x.float(), -1))
     assert amp_state.torch_patches.users == 0
 
 
@@ -576,14 +604,25 @@ def test_amp_custom_fwd_sees_a_torch_region_opened_before_amp():
     assert not amp.casting.native_autocast.any_enabled()
 
 
-def test_o1_inside_a_torch_region_opened_before_amp_is_refused():
-    amp.deinitialize()
+@pytest.mark.parametrize("region", ["torch before amp", "torch.autocast", "amp.autocast", "off"])
+def test_o1_inside_a_region_is_refused(region):
+    """O1 sets torch's autocast state of the thread, which an open region would put back as it
+    exits: refused, and nothing is changed."""
+    if region == "torch before amp":
+        amp.deinitialize()
+    contexts = {
+        "torch before amp": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        "torch.autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        "amp.autocast": lambda: amp.autocast(dtype=torch.bfloat16),
+        "off": amp.disable_casts,
+    }
     model = nn.Linear(2, 2)
     weight = model.weight.detach().clone()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match="inside a torch.autocast region opened before"):
+    with contexts[region]():
+        with pytest.raises(RuntimeError, match="inside an autocast region"):
             amp.initialize(model, opt_level="O1", verbosity=0)
     assert not amp_state.initialized and torch.equal(model.weight, weight)
+    amp.deinitialize()
 
 
 @pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # a CUDA region, CPU only
@@ -607,7 +646,7 @@ def test_readers_take_torchs_argument_forms_and_errors():
         assert str(raised.value).startswith("get_autocast_dtype() missing")  # torch's message
 
 
-def test_patched_calls_look_at_thread_state_only_while_something_casts_or_traces():
+def test_patched_calls_read_torchs_state_and_trace_only_while_something_traces():
     x = torch.randn(2, 2)
     with amp.autocast():
         assert amp_state.active
@@ -616,6 +655,7 @@ def test_patched_calls_look_at_thread_state_only_while_something_casts_or_traces
         assert amp_state.active
         torch.mm(x, x)
     assert [record.policy for record in trace.records] == ["off"] and not amp_state.active
+    assert not hasattr(torch.mm, "__amp_kind__")  # only while a trace is open is it wrapped
     amp.initialize(nn.Linear(1, 1), opt_level="O1", verbosity=0)
     try:
         assert amp_state.active and torch.mm(x, x).dtype is torch.float16
@@ -624,7 +664,9 @@ def test_patched_calls_look_at_thread_state_only_while_something_casts_or_traces
     assert not amp_state.active
 
 
-def test_a_thread_in_torch_region_is_cast_once_by_torch_then_joins_o1():
+def test_a_thread_in_a_torch_region_when_o1_starts_keeps_torchs_casting():
+    """O1 is the thread's that initialized it: a thread inside a torch.autocast region of its own
+    (opened before amp was installed) goes on casting as torch does, and stops when it leaves."""
     import threading
 
     amp.deinitialize()  # no patches: the worker's region below is torch's own
@@ -640,7 +682,7 @@ def test_a_thread_in_torch_region_is_cast_once_by_torch_then_joins_o1():
             seen["under O1"] = torch.mm(a, a)
             seen["dtype"] = torch.get_autocast_dtype("cpu")
             seen["enabled"] = torch.is_autocast_enabled("cpu")
-        seen["after"] = torch.mm(a, a).dtype  # torch's region is over: O1 casts here too
+        seen["after"] = torch.mm(a, a).dtype
 
     thread = threading.Thread(target=worker)
     thread.start()
@@ -654,9 +696,9 @@ def test_a_thread_in_torch_region_is_cast_once_by_torch_then_joins_o1():
         thread.join(30)
     amp.deinitialize()
     assert seen["torch alone"].dtype is torch.bfloat16
-    assert torch.equal(seen["under O1"], seen["torch alone"])  # 2e10, not inf
+    assert torch.equal(seen["under O1"], seen["torch alone"])  # 2e10, not inf: cast once
     assert seen["dtype"] is torch.bfloat16 and seen["enabled"]
-    assert seen["after"] is torch.float16
+    assert seen["after"] is torch.float32
 
 
 def test_an_invalid_device_string_raises_torchs_error():

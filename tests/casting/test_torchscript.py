@@ -1,6 +1,7 @@
 """torch.jit.script under amp's patches (amp/casting/torchscript.py): scripting works while the
-patches are installed and after `amp.deinitialize()`, scripted code runs torch's ops uncast, and
-deinitialize takes amp's registrations out of torch.jit exactly."""
+patches are installed and after `amp.deinitialize()`, scripted code runs torch's ops under torch's
+autocast state (amp's), as under torch.autocast, and deinitialize takes amp's registrations out
+of torch.jit exactly."""
 
 import pytest
 import torch
@@ -73,13 +74,15 @@ def test_scripting_works_under_amps_patches_and_after_deinitialize(installed_by)
         with amp.autocast(dtype=torch.bfloat16):
             scripted = _scripted(state)
             under = scripted(x, target)
-            # TorchScript calls torch's ops, not amp's wrappers: nothing is cast.
-            assert scripted.linear(x).dtype is torch.float32
+            # TorchScript calls torch's ops, which torch's autocast (amp's state) casts.
+            assert scripted.linear(x).dtype is torch.bfloat16
             assert F.linear(x, state["linear.weight"]).dtype is torch.bfloat16
     amp.deinitialize()
     after = _scripted(state)(x, target)
-    assert under.dtype is torch.float32
-    assert torch.equal(under, after)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own, amp's patches gone
+        expected = _scripted(state)(x, target)
+    assert torch.equal(under, expected)  # as a scripted module runs under torch.autocast
+    assert after.dtype is torch.float32
     torch.testing.assert_close(after, eager(x, target))
 
 

@@ -57,6 +57,13 @@ def _unpool(make, dims):
     return (make(tensor=out), indices, 2), {}
 
 
+def _scaled_mm(make):
+    a, b = make(16, 32), make(48, 32)
+    one = torch.ones((), dtype=torch.float32)
+    fp8 = torch.float8_e4m3fn
+    return (a.to(fp8), b.to(fp8).t()), dict(scale_a=one, scale_b=one, out_dtype=a.dtype)
+
+
 SAMPLES = {
     # -- lower precision ---------------------------------------------------------------------------
     "_convolution": lambda m: (
@@ -167,6 +174,8 @@ SAMPLES = {
     "cumsum": lambda m: ((m(3, 4), 0), {}),
     "cumprod": lambda m: ((m(3, 4), 0), {}),
     "std": lambda m: ((m(3, 4),), {}),
+    "view_as_complex": lambda m: ((m(3, 2),), {}),
+    "_scaled_mm": lambda m: _scaled_mm(m),
     "var": lambda m: ((m(3, 4),), {}),
     "dist": lambda m: ((m(3, 4), m(3, 4)), {}),
     "pdist": lambda m: ((m(4, 3),), {}),
@@ -217,6 +226,7 @@ SAMPLES = {
     "softplus": lambda m: ((m(3, 4),), {}),
     "softmin": lambda m: ((m(3, 4), -1), {}),
     "gelu": lambda m: ((m(3, 4),), {}),
+    "pad": lambda m: ((m(1, 2, 5), (2, 2), "reflect"), {}),
     "local_response_norm": lambda m: ((m(1, 4, 3, 3), 2), {}),
     "normalize": lambda m: ((m(3, 4),), {}),
     "cross_entropy": lambda m: ((m(3, 5), torch.tensor([0, 4, 2])), {}),
@@ -404,6 +414,11 @@ LAPACK = {
     "nuclear_norm",
     "matrix_norm",
 }
+
+
+# Samples whose tensors are already in the dtypes the op needs (FP8 operands, FP32 scales): a
+# control call takes them as they are.
+KEEP_DTYPES = {"_scaled_mm"}
 
 
 def sample(entry, make):

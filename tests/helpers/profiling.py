@@ -6,6 +6,7 @@ import os
 import pstats
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp
 
@@ -27,19 +28,16 @@ def profile_calls(fn):
     return own, pstats.Stats(profile).total_calls - 1, names
 
 
-class CastCounter(torch.overrides.TorchFunctionMode):
-    """Counts the casts amp makes: calls of Tensor.to and its dtype shorthands that change the
-    dtype."""
-
-    CASTS = (torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.float)
+class CastCounter(TorchDispatchMode):
+    """Counts the dtype casts made while it is active, by amp (its wrappers cast in Python) or by
+    torch's autocast (in C++): both reach aten._to_copy below the autocast dispatch keys."""
 
     def __init__(self):
         super().__init__()
         self.casts = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if func in self.CASTS and isinstance(result, torch.Tensor) and result is not args[0]:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and result.dtype != args[0].dtype:
             self.casts += 1
         return result

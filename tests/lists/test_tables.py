@@ -10,7 +10,14 @@ import amp
 from amp import lists
 from amp.casting.cast_tree import cast_tree
 from helpers import DTYPES, casting
-from helpers.op_samples import CUDA_ONLY, LAPACK, NAMESPACE_SAMPLES, SAMPLES, sample
+from helpers.op_samples import (
+    CUDA_ONLY,
+    KEEP_DTYPES,
+    LAPACK,
+    NAMESPACE_SAMPLES,
+    SAMPLES,
+    sample,
+)
 
 ENTRIES = list(lists.entries())
 
@@ -79,27 +86,52 @@ def test_entries_promoted_by_torch_are_not_patched():
     before = [vars(namespace).get(name) for namespace, name in native]
     with amp.autocast():
         during = [vars(namespace).get(name) for namespace, name in native]
-        assert amp.lists.resolve_namespace("torch").mm.__amp_original__ is not None  # others are
+        assert torch.cat.__amp_original__ is not None  # amp's sequence promotion is patched
     assert all(a is b for a, b in zip(before, during))
 
 
 INPUT_DTYPE_ENTRIES = [entry for entry in ENTRIES if entry.kind == lists.INPUT_DTYPE]
 
 
-def test_entries_that_keep_their_input_dtype_are_not_patched():
-    """apex's FP32 entries that torch.autocast leaves in their input's dtype (the tables' comments
-    say why each is safe there): listed, never wrapped, so they run as without amp."""
+def test_entries_that_keep_their_input_dtype_are_patched_only_where_torch_would_cast_them():
+    """Entries that run in their input's dtype (the tables' comments say why each is safe
+    there): where torch's autocast leaves them alone too they are never wrapped; view_as_complex,
+    F.pad's binding and _scaled_mm are wrapped to run as given where torch's CPU autocast would
+    cast them (agreement.py), and pass CUDA calls on."""
     assert {_id(entry) for entry in INPUT_DTYPE_ENTRIES} == {
         "torch.nn.functional.gelu",
+        "torch.nn.functional.pad",
         "torch.std",
         "torch.Tensor.std",
+        "torch.view_as_complex",
+        "torch._scaled_mm",
     }
-    targets = [(lists.resolve_namespace(e.namespace), e.name) for e in INPUT_DTYPE_ENTRIES]
-    targets.append((torch._C._nn, "gelu"))  # F.gelu's binding takes F.gelu's policy: none
-    before = [vars(namespace).get(name) for namespace, name in targets]
+    left = [(torch.nn.functional, "gelu"), (torch, "std"), (torch.Tensor, "std")]
+    left += [(torch._C._nn, "gelu"), (torch.nn.functional, "pad")]  # F.pad: its binding decides
+    wrapped = [(torch, "view_as_complex"), (torch, "_scaled_mm"), (torch._C._nn, "pad")]
+    wrapped += [(torch._C._nn, "reflection_pad1d"), (torch._C._nn, "replication_pad2d")]
+    before = [vars(namespace).get(name) for namespace, name in left + wrapped]
     with amp.autocast(dtype=torch.bfloat16):
-        during = [vars(namespace).get(name) for namespace, name in targets]
-    assert all(a is b for a, b in zip(before, during))
+        during = [vars(namespace).get(name) for namespace, name in left + wrapped]
+    assert all(a is b for a, b in zip(before[: len(left)], during[: len(left)]))
+    assert all(a is not b for a, b in zip(before[len(left) :], during[len(left) :]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pads_and_views_run_as_given_where_torchs_cpu_autocast_would_cast_them(dtype):
+    x = torch.randn(1, 2, 5).to(dtype)
+    pairs = torch.randn(3, 2).half()
+    with amp.autocast(dtype=dtype):
+        padded = torch.nn.functional.pad(x, (2, 2), "reflect")
+        direct = torch._C._nn.reflection_pad1d(x, (2, 2))
+        complex_view = torch.view_as_complex(pairs)
+    with torch.autocast("cpu", dtype=dtype):  # amp's patches stand: torch.autocast is amp's
+        also = torch.nn.functional.pad(x, (1, 1), "replicate")
+    amp.deinitialize()
+    assert padded.dtype is direct.dtype is also.dtype is dtype
+    assert torch.equal(padded, torch.nn.functional.pad(x, (2, 2), "reflect"))
+    assert complex_view.dtype is torch.complex32  # a view of the half input, not an FP32 copy
+    assert complex_view.data_ptr() == pairs.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES], ids=str)
@@ -220,10 +252,17 @@ def test_entry_runs_in_its_table_dtype(entry, dtype):
                 ):
                     _call(entry, args, kwargs)
             return
+        if entry.name not in KEEP_DTYPES:
+            args_in, kwargs_in = cast_tree(args, run_dtype), cast_tree(kwargs, run_dtype)
+        else:
+            args_in, kwargs_in = args, kwargs
         try:
-            expected = _call(entry, cast_tree(args, run_dtype), cast_tree(kwargs, run_dtype))
+            expected = _call(entry, args_in, kwargs_in)
         except (RuntimeError, NotImplementedError) as error:
-            if "not implemented for" in str(error) or "Unsupported" in str(error):
+            if any(
+                words in str(error)
+                for words in ("not implemented for", "Unsupported", "is only supported for")
+            ):
                 pytest.skip(f"torch has no CPU {run_dtype} kernel: {error}")
             raise
         with amp.autocast(dtype=dtype):
