@@ -160,15 +160,16 @@ def test_the_compact_steps_count_their_forms_bytes_and_8_bit_scales_by_block():
 @pytest.mark.parametrize("optimizer", ["foreach", "fused"])
 def test_amp_o2_after_backward_is_no_more_work_than_the_hand_written_fused_o2(name, optimizer):
     """The issue's goals, held on the CPU proxy: after backward amp O2 with FP32 masters (an fp16
-    model) launches no more kernels, moves no more bytes and reads the host no more than a
-    hand-written O2 with torch's fused AdamW (batch norm's FP32 parameters stepped in the masters'
-    call: resnet50-tiny). A bf16 model's exact masters (int16 remainders) are decoded and encoded
+    model) launches no more kernels but one, moves no more bytes and reads the host no more than
+    a hand-written O2 with torch's fused AdamW (batch norm's FP32 parameters stepped in the
+    masters' call: resnet50-tiny). The one: a non-finite loss whose gradients are finite skips
+    amp's step (its flag joins the gradients' in one scalar op; GradScaler steps it). A bf16 model's exact masters (int16 remainders) are decoded and encoded
     around torch's fused op on this backend: more passes for 2 bytes a parameter less (README);
     one kernel with CuPy (tests/kernels/test_compact_kernels.py counts its bytes)."""
     workload = workloads.END_TO_END[name]
     ours = device_work.step_work(workload, "amp O2", torch.float16, optimizer)
     theirs = device_work.step_work(workload, "manual O2 fused", torch.float16, "fused")
     after, hand = ours.phases["after backward"], theirs.phases["after backward"]
-    assert after.launches <= hand.launches
+    assert after.launches <= hand.launches + 1
     assert after.bytes < hand.bytes
     assert ours.host_reads == theirs.host_reads == 0
