@@ -232,7 +232,7 @@ def _storage_key(tensor):
 @contextlib.contextmanager
 def copies_in_flight():
     """amp's host copies of its flags have not arrived by the step after them (module doc)."""
-    from amp.scaling.scaler import Check
+    from amp.scaling.device_scale import Check
 
     arrived = Check.arrived
 

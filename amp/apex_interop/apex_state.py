@@ -8,7 +8,6 @@ does next, with amp's validation.
 
 from .._state import amp_state
 from ..properties import check_verbosity
-from ..scaling.values import check_count, check_loss_scale
 
 __all__ = ["LossScalerView", "OptPropertiesView", "ApexAmpState", "apex_amp_state"]
 
@@ -58,18 +57,8 @@ class LossScalerView:
     @_loss_scale.setter
     def _loss_scale(self, value):
         what = "amp._amp_state.loss_scalers[i]._loss_scale"
-        scaler = self._amp_scaler
-        scaler.check_can_change(what)
-        value = check_loss_scale(value, what)
-        low, high = scaler.min_loss_scale, scaler.max_loss_scale
-        if scaler.dynamic and not (
-            (low is None or low <= value) and (high is None or value <= high)
-        ):
-            raise ValueError(
-                f"{what} must lie within min_loss_scale={low} and max_loss_scale={high}, the "
-                f"bounds of this dynamic scaler (amp.initialize sets them); got {value!r}."
-            )
-        scaler.load_state_dict({"loss_scale": value, "unskipped": scaler.unskipped()})
+        self._amp_scaler.check_can_change(what)
+        self._amp_scaler.set_loss_scale(value, what)
 
     @property
     def _unskipped(self):
@@ -80,13 +69,7 @@ class LossScalerView:
 
     @_unskipped.setter
     def _unskipped(self, value):
-        scaler = self._amp_scaler
-        value = check_count(value, "amp._amp_state.loss_scalers[i]._unskipped", scaler)
-        if scaler.dynamic:  # the growth counter
-            scaler.load_state_dict({"loss_scale": scaler.loss_scale(), "unskipped": value})
-        else:  # the passes of a static scaler
-            scaler.load_state_dict({"loss_scale": scaler.loss_scale(), "unskipped": 0})
-            scaler.static_passes = value
+        self._amp_scaler.set_unskipped(value, "amp._amp_state.loss_scalers[i]._unskipped")
 
     @property
     def dynamic(self):

@@ -1,7 +1,7 @@
 """amp.NonFiniteLossWarning: a step skipped because the loss itself was inf or NaN, said once per
 run of such steps, with where the inf/NaN started (the origin watch of the step after).
 
-The scale stays where it was on such a step (scaling/scaler.py says why).
+The scale stays where it was on such a step (scaling/device_scale.py says why).
 """
 
 import os

@@ -1,6 +1,6 @@
 """How many optimizer steps amp skipped, learned without making the host wait for the device.
 
-A step's overflow checks (scaling.scaler.Check) copy their flags to the host asynchronously; the
+A step's overflow checks (scaling.device_scale.Check) copy their flags to the host asynchronously; the
 count takes in the steps whose copies have arrived, in order, and waits for the rest only when
 asked for the count itself.
 """

@@ -92,7 +92,7 @@ class FarBehind:
     waits; `at_steps` records it at every step of a Trainer run (a Callback)."""
 
     def __init__(self, monkeypatch):
-        from amp.scaling.scaler import Check
+        from amp.scaling.device_scale import Check
 
         self.waits = 0
         far = self

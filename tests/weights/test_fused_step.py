@@ -119,7 +119,7 @@ def test_the_state_dict_keeps_torchs_format_and_loads_into_a_plain_optimizer():
 def copies_in_flight(monkeypatch):
     """The host copies of the blocks' flags have not arrived by the step (as on a GPU), so that
     the step either hands the flag to the device or reads it (counted by Tensor.item)."""
-    from amp.scaling.scaler import Check
+    from amp.scaling.device_scale import Check
 
     arrived = Check.arrived
     monkeypatch.setattr(

@@ -131,7 +131,7 @@ def test_compact_state_is_made_by_a_step_known_taken_waiting_for_the_device_unti
     """Where the host has not read a step's check yet (a GPU), a plan over compact state would
     make the state of a first step that may be skipped: those steps wait for the check, later
     ones do not."""
-    from amp.scaling.scaler import Check
+    from amp.scaling.device_scale import Check
 
     waits = []
     arrived = Check.arrived
