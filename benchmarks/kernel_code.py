@@ -1,7 +1,10 @@
 """What each fused step kernel costs per element, read off its machine code: a CPU proxy for
 the step's speed on a GPU (benchmarks/step_kernels.py measures it there).
 
-    python benchmarks/kernel_code.py [--arch sm_90] [--sass-of KERNEL]
+    python benchmarks/kernel_code.py [--arch sm_90] [--sass-of KERNEL] [--source FILE]
+
+(--source: one .cu file in place of the families' files, e.g. an earlier commit's
+`git show 3e30ccf:amp/kernels/multi_tensor.cu > /tmp/before.cu`.)
 
 Compiles the kernels' source as CuPy does (NVRTC's options: -std=c++17, the 32 KB parameter
 layout, -ftz=true last) with nvcc for one architecture, disassembles the cubin with cuobjdump
@@ -14,7 +17,8 @@ step kernel:
              shared memory per SM, registers allocated 256 per warp)
   loop       SASS instructions in the kernel's element loop: the innermost backward branch whose
              body holds vector global accesses (64 or 128 bits), else the one with the most global
-             loads; slow paths the loop calls (the division's, the square root's) not counted
+             loads; a slow path it branches around (the call of the division's or the square
+             root's, taken for operands out of range) not counted
   elem/trip  the elements one thread steps per trip of that loop: the source's kStepElements
              where the loop accesses vectors; else its global loads over the loads of one element
              (the compiler unrolls a loop of one element a thread)
@@ -79,10 +83,10 @@ def cuobjdump():
     )
 
 
-def compile_cubin(arch, folder):
-    """The step kernels' source compiled by nvcc as CuPy compiles it; the cubin's path."""
+def compile_cubin(arch, folder, text):
+    """Source `text` compiled by nvcc as CuPy compiles it; the cubin's path."""
     source = folder / "kernels.cu"
-    source.write_text(_sources.source(_sources.STEP_FAMILIES))
+    source.write_text(text)
     cubin = folder / "kernels.cubin"
     options = ["-std=c++17", *_layout.compile_options(_layout.PARAM_BYTES_LARGE)]
     options += list(_sources.GPU_OPTIONS) + ["-ftz=true"]  # CuPy appends -ftz=true last
@@ -138,6 +142,7 @@ def element_loop(body):
         if target < address:
             start = next(i for i, (a, _) in enumerate(body) if a >= target)
             loops.append(body[start : index + 1])
+    loops = [_fast_path(loop) for loop in loops]
     with_access = [loop for loop in loops if any(_ACCESS.search(t) for _, t in loop)]
     if not with_access:
         return []
@@ -155,6 +160,22 @@ def element_loop(body):
     return max(inner, key=lambda loop: sum(bool(_ACCESS.search(t)) for _, t in loop))
 
 
+def _fast_path(loop):
+    """The loop less each slow path it branches around: a forward branch over a call."""
+    kept, skip_to = [], -1
+    for index, (address, text) in enumerate(loop):
+        if address < skip_to:
+            continue
+        branch = _BRANCH.search(text)
+        if branch and text.startswith("@"):
+            target = int(branch.group(1), 16)
+            skipped = [t for a, t in loop[index + 1 :] if address < a < target]
+            if target > address and any("CALL" in t for t in skipped) and len(skipped) <= 8:
+                skip_to = target
+        kept.append((address, text))
+    return kept
+
+
 def occupancy(registers, shared):
     per_warp = -(-registers * 32 // 256) * 256
     warps_per_block = THREADS // 32
@@ -165,11 +186,13 @@ def occupancy(registers, shared):
     return blocks, blocks * warps_per_block / SM_WARPS
 
 
-def rows(arch="sm_90"):
+def rows(arch="sm_90", text=None):
     tool = cuobjdump()
+    text = text or _sources.source(_sources.STEP_FAMILIES, [kernel for kernel, *_ in KERNELS])
     with tempfile.TemporaryDirectory() as folder:
-        compiled = functions(compile_cubin(arch, pathlib.Path(folder)), tool)
-    per_trip = _sources.step_elements()
+        compiled = functions(compile_cubin(arch, pathlib.Path(folder), text), tool)
+    found = re.search(r"constexpr int kStepElements = (\d+);", text)
+    per_trip = int(found.group(1)) if found else 1
     table = []
     for kernel, bytes_per_element, loads in KERNELS:
         registers, shared, body = compiled[kernel]
@@ -193,17 +216,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--sass-of", help="print this kernel's element loop")
+    parser.add_argument("--source", help="compile this .cu file instead")
     args = parser.parse_args()
+    text = pathlib.Path(args.source).read_text() if args.source else None
     if args.sass_of:
         with tempfile.TemporaryDirectory() as folder:
-            compiled = functions(compile_cubin(args.arch, pathlib.Path(folder)), cuobjdump())
+            text = text or _sources.source(_sources.STEP_FAMILIES, [args.sass_of])
+            compiled = functions(compile_cubin(args.arch, pathlib.Path(folder), text), cuobjdump())
         for address, text in element_loop(compiled[args.sass_of][2]):
             print(f"{address:05x}  {text}")
         return
     print(f"| kernel ({args.arch}) | B/elem | regs | blocks/SM | occupancy | loop | elem/trip "
           "| instr/elem | mufu/elem | shfl/elem |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows(args.arch):
+    for row in rows(args.arch, text):
         kernel, nbytes, regs, blocks, share, count, elements, per, mufu, shfl = row
         print(f"| `{kernel}` | {nbytes:g} | {regs} | {blocks} | {share:.0%} | {count} | "
               f"{elements} | {per:.1f} | {mufu:.2f} | {shfl:.2f} |")
