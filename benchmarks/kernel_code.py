@@ -15,10 +15,11 @@ step kernel:
   regs       registers per thread (cuobjdump -res-usage), and the blocks of 512 threads and the
              share of the SM's 64 warps they leave room for (65,536 registers and 228 KiB of
              shared memory per SM, registers allocated 256 per warp)
-  loop       SASS instructions in the kernel's element loop: the innermost backward branch whose
-             body holds vector global accesses (64 or 128 bits), else the one with the most global
-             loads; a slow path it branches around (the call of the division's or the square
-             root's, taken for operands out of range) not counted
+  loop       SASS instructions one trip of the kernel's element loop issues on its common path:
+             the loop is the innermost backward branch whose body holds vector global accesses
+             (64 or 128 bits), else the one with the most global loads; at each branch the path
+             takes the side that calls nothing (a call is a slow path: the division's or the
+             square root's for operands out of range, an 8-bit code's exact fallback)
   elem/trip  the elements one thread steps per trip of that loop: the source's kStepElements
              where the loop accesses vectors; else its global loads over the loads of one element
              (the compiler unrolls a loop of one element a thread)
@@ -142,7 +143,6 @@ def element_loop(body):
         if target < address:
             start = next(i for i, (a, _) in enumerate(body) if a >= target)
             loops.append(body[start : index + 1])
-    loops = [_fast_path(loop) for loop in loops]
     with_access = [loop for loop in loops if any(_ACCESS.search(t) for _, t in loop)]
     if not with_access:
         return []
@@ -160,20 +160,43 @@ def element_loop(body):
     return max(inner, key=lambda loop: sum(bool(_ACCESS.search(t)) for _, t in loop))
 
 
-def _fast_path(loop):
-    """The loop less each slow path it branches around: a forward branch over a call."""
-    kept, skip_to = [], -1
-    for index, (address, text) in enumerate(loop):
-        if address < skip_to:
-            continue
+def _block_calls(body, start):
+    """Whether the straight-line code from body[start] to the next branch or barrier calls."""
+    for _, text in body[start:]:
+        if "CALL" in text:
+            return True
+        if re.search(r"\b(BRA|EXIT|BSYNC|RET)\b", text):
+            return False
+    return False
+
+
+def _common_path(loop):
+    """The instructions one trip of the loop issues on its common path: at each conditional
+    branch, the jump over code that calls and moves no data (a call is a slow path: the
+    division's or the square root's for operands out of range, an exact fallback) unless the
+    jump's target calls too, else the fall-through."""
+    index = {address: i for i, (address, _) in enumerate(loop)}
+    path, i = [], 0
+    while i < len(loop):
+        address, text = loop[i]
+        path.append((address, text))
         branch = _BRANCH.search(text)
-        if branch and text.startswith("@"):
+        if branch and "CALL" not in text and "BRA.DIV" not in text:  # (taken if diverged)
             target = int(branch.group(1), 16)
-            skipped = [t for a, t in loop[index + 1 :] if address < a < target]
-            if target > address and any("CALL" in t for t in skipped) and len(skipped) <= 8:
-                skip_to = target
-        kept.append((address, text))
-    return kept
+            if target <= address or target not in index:
+                break  # the back edge: the trip is over
+            if not text.startswith("@"):
+                i = index[target]
+                continue
+            skipped = [t for _, t in loop[i + 1 : index[target]]]
+            slow = any("CALL" in t for t in skipped) and not any(
+                re.search(r"\b(LDG|STG|SHFL)\b", t) for t in skipped  # real work: not a slow path
+            )
+            if slow and not _block_calls(loop, index[target]):
+                i = index[target]
+                continue
+        i += 1
+    return path
 
 
 def occupancy(registers, shared):
@@ -196,7 +219,7 @@ def rows(arch="sm_90", text=None):
     table = []
     for kernel, bytes_per_element, loads in KERNELS:
         registers, shared, body = compiled[kernel]
-        loop = element_loop(body)
+        loop = _common_path(element_loop(body))
         if any(_VECTOR.search(t) for _, t in loop):
             elements = per_trip
         else:
@@ -223,7 +246,7 @@ def main():
         with tempfile.TemporaryDirectory() as folder:
             text = text or _sources.source(_sources.STEP_FAMILIES, [args.sass_of])
             compiled = functions(compile_cubin(args.arch, pathlib.Path(folder), text), cuobjdump())
-        for address, text in element_loop(compiled[args.sass_of][2]):
+        for address, text in _common_path(element_loop(compiled[args.sass_of][2])):
             print(f"{address:05x}  {text}")
         return
     print(f"| kernel ({args.arch}) | B/elem | regs | blocks/SM | occupancy | loop | elem/trip "

@@ -93,21 +93,62 @@ __device__ __forceinline__ float unsigned_code_value(int index) {
 
 // The signed code of `value` in a block of divisor `divisor`: softsign 2y / (1 + |y|) of
 // y = value / divisor onto -127..127, rounded to nearest even.
-__device__ __forceinline__ signed char signed_code(float value, float divisor) {
+__device__ AMP_RARE signed char signed_code(float value, float divisor) {
   const float y = div_rn(value, divisor);
   const float z = div_rn(mul_rn(y, 2.0f), add_rn(abs_bits(y), 1.0f));
   return static_cast<signed char>(static_cast<int>(rintf(mul_rn(z, 127.0f))));
 }
 
-// The unsigned code of a square root `root` in a block of divisor `divisor`: root / divisor onto
-// 0..255, rounded stochastically by `noise` (dither's); a positive root is never code 0.
-__device__ __forceinline__ unsigned char unsigned_code(float root, float divisor, float noise) {
-  const float y = div_rn(root, divisor);
-  int code = static_cast<int>(floorf(add_rn(mul_rn(y, 255.0f), noise)));
+// The unsigned code of rounded value `t` of a square root `root`: at most 255, a positive root
+// never code 0.
+__device__ __forceinline__ unsigned char unsigned_code_of(float t, float root) {
+  int code = static_cast<int>(floorf(t));
   if (code > 255) code = 255;
   const unsigned int root_bits = __float_as_uint(root);
   if (code == 0 && root_bits != 0u && root_bits <= 0x7f800000u) code = 1;  // root > 0
   return static_cast<unsigned char>(code);
+}
+
+// The unsigned code of a square root `root` in a block of divisor `divisor`: root / divisor onto
+// 0..255, rounded stochastically by `noise` (dither's).
+__device__ AMP_RARE unsigned char unsigned_code(float root, float divisor, float noise) {
+  const float y = div_rn(root, divisor);
+  return unsigned_code_of(add_rn(mul_rn(y, 255.0f), noise), root);
+}
+
+// The same codes without their divisions where the result is certain. A code is an integer the
+// exact operations round to (signed: rint of 127 z; unsigned: floor of 255 y + noise); the exact
+// value those operations round lies within 4e-5 of the true quotients' (a few roundings of
+// 2**-24, times at most 255), and the approximation below (the reciprocal of the divisor, rounded;
+// __fdividef's 2-ulp quotient) within 7e-5 of it too. So where the approximation lies further than
+// kCodeMargin from a rounding boundary (signed: k + 1/2; unsigned: k), its rounding is the code;
+// nearer (about 1 value in 4,000), the exact operations decide. Only for a divisor within
+// 2**-100..2**100, where no product flushes or overflows (codes_approximable).
+constexpr float kCodeMargin = 0x1p-12f;
+
+__device__ __forceinline__ bool codes_approximable(float divisor) {
+  const unsigned int bits = __float_as_uint(divisor);
+  return bits >= 0x0d800000u && bits <= 0x71800000u;
+}
+
+// signed_code's result where certain (`certain` false: signed_code decides), given `inverse`:
+// 1 / divisor rounded.
+__device__ __forceinline__ signed char signed_code_fast(float value, float inverse,
+                                                        bool& certain) {
+  const float y = value * inverse;
+  const float t = __fdividef(y * 254.0f, fabsf(y) + 1.0f);  // 127 z
+  const float nearest = rintf(t);
+  certain = fabsf(t - nearest) < 0.5f - kCodeMargin;
+  return static_cast<signed char>(static_cast<int>(nearest));
+}
+
+// unsigned_code's result where certain, as signed_code_fast.
+__device__ __forceinline__ unsigned char unsigned_code_fast(float root, float inverse,
+                                                            float noise, bool& certain) {
+  const float t = fmaf(root * inverse, 255.0f, noise);
+  const float rest = t - floorf(t);
+  certain = rest > kCodeMargin && rest < 1.0f - kCodeMargin;
+  return unsigned_code_of(t, root);
 }
 
 // A 32-bit hash (_codecs._mix's, whose int64 arithmetic this uint32 one wraps as).

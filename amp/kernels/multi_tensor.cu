@@ -46,6 +46,14 @@
 #define AMP_GRID_CONSTANT __grid_constant__
 #endif
 
+// A function called on a rare path, kept out of line on the GPU so that the common path's code
+// stays small (the emulated grid, compiled by g++, inlines as it likes).
+#ifdef __CUDA_ARCH__
+#define AMP_RARE __noinline__
+#else
+#define AMP_RARE
+#endif
+
 namespace amp {
 
 constexpr int kBlock = 512;  // threads per block

@@ -257,11 +257,26 @@ template <bool Signed> struct MomentList<Codes8, Signed> {
     }
     const unsigned int scale_bits = block_max(largest);
     const float divisor = block_divisor(scale_bits);
+    const float inverse = div_rn(1.0f, divisor);
+    float noise[kStepElements];
     unsigned char code[kStepElements];
+    unsigned int uncertain = codes_approximable(divisor) ? 0u : (1u << kStepElements) - 1u;
 #pragma unroll
     for (int k = 0; k < kStepElements; ++k) {
-      code[k] = Signed ? static_cast<unsigned char>(signed_code(values[k], divisor))
-                       : unsigned_code(roots[k], divisor, dither(first + i + k, salt));
+      if (!Signed) noise[k] = dither(first + i + k, salt);
+      bool certain;
+      code[k] = Signed ? static_cast<unsigned char>(signed_code_fast(values[k], inverse, certain))
+                       : unsigned_code_fast(roots[k], inverse, noise[k], certain);
+      uncertain |= certain ? 0u : 1u << k;
+    }
+    if (uncertain != 0u) {  // the exact operations, for the few codes the fast ones leave open
+#pragma unroll
+      for (int k = 0; k < kStepElements; ++k) {
+        if ((uncertain >> k) & 1u) {
+          code[k] = Signed ? static_cast<unsigned char>(signed_code(values[k], divisor))
+                           : unsigned_code(roots[k], divisor, noise[k]);
+        }
+      }
     }
     store_group(codes + i, count, vector, code);
     if (lane % kGroupLanes == 0 && count > 0) scales[i / kWarp] = __uint_as_float(scale_bits);
