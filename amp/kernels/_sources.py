@@ -136,6 +136,7 @@ def source(families=tuple(FAMILIES), instantiate=()) -> str:
         instantiate = [name for family in families for name in FAMILIES[family].names]
     if instantiate:
         addresses = "".join(f"    reinterpret_cast<const void*>(&{n}),\n" for n in instantiate)
-        text += f"\n// nvcc: the kernels to compile\nconst void* const amp_instances[] = {{\n"
-        text += addresses + "};\n"
+        text += "\n// nvcc: the kernels to compile (external: nothing warns it is unread)\n"
+        text += "extern const void* const amp_instances[];\n"
+        text += "const void* const amp_instances[] = {\n" + addresses + "};\n"
     return text
