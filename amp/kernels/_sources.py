@@ -73,7 +73,7 @@ def _pairs(kernels, pairs):
     return [f"{k}<{TYPE_NAMES[a]}, {TYPE_NAMES[b]}>" for k in kernels for a, b in pairs]
 
 
-_STEP_FILES = ("multi_tensor", "step_math", "codecs", "step_loop")
+_STEP_FILES = ("multi_tensor", "step_math", "codecs", "step_lists", "step_loop")
 FAMILIES = {
     # unscale_ and check_: all an O1 run launches
     "unscale": Family(

@@ -2,6 +2,12 @@
 // the master held as a bf16 weight and an int8 correction or int16 remainder (or FP32, with its
 // low-precision copy), the moments FP32, bf16 or 8-bit codes with a scale per 32 elements.
 
+// The blocks of 512 threads an SM holds at once, asked of the compiler: two (64 registers a
+// thread: no spill on sm_90 but a few bytes in three exact-master variants with FP32 moments, which
+// amp_adam takes), one for the 8-bit codes' kernels, which need more.
+template <typename Moment> struct StepBlocks { static constexpr int value = 2; };
+template <> struct StepBlocks<amp::Codes8> { static constexpr int value = 1; };
+
 // AdamW / Adam over lists (gradient G, master, master's second list, exp_avg, exp_avg_sq,
 // exp_avg's scales, exp_avg_sq's scales, step). Master amp::Compact: lists 1 and 2 are the bf16
 // weight and the int8 correction; amp::Remainder: the bf16 weight and the int16 remainder;
@@ -11,7 +17,7 @@
 // is decoded, stepped by amp::adam_element and encoded. Nothing happens where *found != 0;
 // amp_compact_count_steps then adds the step.
 template <typename G, typename Master, typename Moment>
-__global__ void __launch_bounds__(amp::kBlock)
+__global__ void __launch_bounds__(amp::kBlock, StepBlocks<Moment>::value)
 amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, const float* found,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  long long decoupled, long long chunk) {
@@ -51,7 +57,7 @@ amp_compact_count_steps(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* 
 // momentum buffer, its scales, unused); the buffer lists are null without momentum. first_step:
 // the buffers start as the gradients (not read), as torch's first step.
 template <typename G, typename Master, typename Moment>
-__global__ void __launch_bounds__(amp::kBlock)
+__global__ void __launch_bounds__(amp::kBlock, StepBlocks<Moment>::value)
 amp_compact_sgd(const AMP_GRID_CONSTANT amp::Meta<6> meta, const float* inv, const float* found,
                 double lr, double momentum, double dampening, double weight_decay,
                 long long nesterov, long long first_step, long long chunk) {

@@ -3,16 +3,17 @@
 // The families (amp/kernels/_sources.py) each add their files to this one and compile alone:
 // scale.cu + unscale.cu (unscale with inf/NaN detection, the check alone), scale.cu + copies.cu
 // (scaled copies and accumulates between model and master tensors), norms.cu (the L2 norm),
-// step_math.cu + codecs.cu + step_loop.cu + steps.cu (the fused master steps of AdamW/Adam and SGD
-// over FP32 masters) or + compact.cu (the same steps over compact state: a master as its bf16
-// weight and int8 correction or int16 remainder, moments in bf16 or in 8 bits with a scale per
-// 32 elements).
+// step_math.cu + codecs.cu + step_lists.cu + step_loop.cu + steps.cu (the fused master steps of
+// AdamW/Adam and SGD over FP32 masters) or + compact.cu (the same steps over compact state: a
+// master as its bf16 weight and int8 correction or int16 remainder, moments in bf16 or in 8 bits
+// with a scale per 32 elements).
 //
 // Plain CUDA C++: nvcc compiles the files concatenated (CI does, for sm_75/80/90), and CuPy loads
 // each family as a RawModule (the step families a RawModule per kernel), instantiating the names
-// _sources.py lists; nvcc builds take those names' addresses (_sources.source(instantiate=True)). The host passes one Meta struct by value per launch: per-tensor
-// pointers, element counts and the prefix sum of chunks. A block finds the tensor of its chunk by
-// binary search, so there is no per-block table and no cap on blocks per launch.
+// _sources.py lists; nvcc builds take those names' addresses (_sources.source's `instantiate`).
+// The host passes one Meta struct by value per launch: per-tensor pointers, element counts and
+// the prefix sum of chunks. A block finds the tensor of its chunk by binary search, so there is
+// no per-block table and no cap on blocks per launch.
 //
 // Numerics match torch's: values are read as float, multiplied and added in float with round to
 // nearest, and stored with round to nearest even (one rounding into the destination's type). The
