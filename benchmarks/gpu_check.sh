@@ -3,7 +3,7 @@
 # CuPy and no network:
 #     bash benchmarks/gpu_check.sh LOG_DIR [PART...]
 # Parts (default: all, about 9 minutes on an H200):
-#   env           the GPU, torch, CuPy; the first-use compile time of the CUDA module
+#   env           the GPU, torch, CuPy; each kernel family's first-use compile time (first_use.py)
 #   cuda_tests    pytest -m cuda (AMP_REQUIRE_CUDA=1: a skip for want of CUDA fails)
 #   step_kernels  each fused step kernel alone, 100M and 470M parameters (step_kernels.py)
 #   gpt2          GPT-2 small, bf16 and fp16: step, host time, peak and held bytes a parameter
@@ -27,14 +27,9 @@ run() {  # run LIMIT NAME COMMAND...: the command's output into LOGS/NAME.txt, i
 GPT2="--models gpt2 --optimizer fused --steps 10 --warmup 3"
 for part in $PARTS; do
   case $part in
-    env) run 50 env sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python3 -c "
-import time, torch, amp, cupy
-from amp import kernels
-from amp.kernels import _cupy_device
-print(\"torch\", torch.__version__, \"amp\", amp.__version__, \"cupy\", cupy.__version__, kernels.cuda_backend())
-begin = time.perf_counter(); _cupy_device.gpu(0); torch.cuda.synchronize()
-print(\"CUDA module first use: %.2f s\" % (time.perf_counter() - begin))"' ;;
+    env) run 120 env sh -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, amp, cupy; print(\"torch\", torch.__version__, \"amp\", amp.__version__, \"cupy\", cupy.__version__)"
+python3 benchmarks/first_use.py' ;;
     cuda_tests) run 140 cuda_tests python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider -m cuda ;;
     step_kernels) run 70 step_kernels python3 benchmarks/step_kernels.py ;;
     gpt2) run 150 gpt2 sh -c "python3 benchmarks/end_to_end.py $GPT2 --dtype bfloat16 \

@@ -1,5 +1,5 @@
 """The compact forms of O2's state, on torch operations: the torch backend's, and the reference the
-CUDA source (multi_tensor.cu) follows operation by operation, so the two agree bit for bit.
+CUDA source (codecs.cu, step_loop.cu) follows operation by operation, so the two agree bit for bit.
 
 - An exact master (bf16 models): the bf16 weight, the FP32 value rounded to nearest with exact
   ties away from zero, and a signed 16-bit remainder: the FP32 bits are the weight's shifted up by

@@ -1,4 +1,4 @@
-"""The kernel functions as CuPy RawKernels (multi_tensor.cu) on torch's CUDA memory.
+"""The kernel functions as CuPy RawKernels (amp/kernels/*.cu, by family) on torch's CUDA memory.
 
 Tensors are passed as raw data pointers in a by-value Meta struct: no CuPy arrays, no DLPack, no
 copies. Every launch goes to torch's current stream; nothing here synchronises with the host.

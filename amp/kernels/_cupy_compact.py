@@ -1,4 +1,4 @@
-"""The CuPy kernels' fused steps over compact state (`_codecs.py`, multi_tensor.cu's
+"""The CuPy kernels' fused steps over compact state (`_codecs.py`, compact.cu's
 amp_compact_adam, amp_compact_count_steps and amp_compact_sgd): one launch per (gradient type,
 master kind, moment type) of the rows, reading and writing the bf16 weight, its remainder or
 correction and the moments' codes in one pass, with the torch backend's bits

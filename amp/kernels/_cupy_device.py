@@ -6,12 +6,12 @@ the tensors stay the same.
 import itertools
 import operator
 import os
-import pathlib
+import time
 
 import cupy
 import torch
 
-from . import _layout
+from . import _layout, _sources
 
 __all__ = [
     "PARAM_BYTES_ENV",
@@ -36,57 +36,13 @@ __all__ = [
 ]
 
 PARAM_BYTES_ENV = "AMP_KERNEL_PARAM_BYTES"  # force the 4 KB layout on GPUs that allow 32 KB
-_SOURCE = pathlib.Path(__file__).with_name("multi_tensor.cu").read_text()
-TYPE_NAMES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-# (gradient, weight) types of the fused steps: the weight's type, or an FP32 gradient (made by a
-# read of the masters' `.grad` before the step) for any weight; float32 stands for no weight.
-STEP_TYPES = frozenset(
-    [(t, t) for t in TYPE_NAMES] + [(torch.float32, t) for t in (torch.float16, torch.bfloat16)]
-)
-COMPACT = "compact"  # the master of a compact step held as a bf16 weight and an int8 correction
-REMAINDER = "remainder"  # ... as a bf16 weight and an int16 remainder (an exact master)
-_MASTER_NAMES = {COMPACT: "amp::Compact", REMAINDER: "amp::Remainder"}
-# (gradient, master) types of the compact steps: a bf16 weight with its correction or remainder and
-# any gradient type, or an FP32 master with a copy of the types the fused steps write
-# (STEP_TYPES; float32: no copy).
-COMPACT_MASTERS = frozenset(
-    [(t, kind) for t in TYPE_NAMES for kind in _MASTER_NAMES] + list(STEP_TYPES)
-)
-# The moments of a compact step, by the first moment's dtype: FP32, bf16, or 8-bit codes.
-MOMENT_NAMES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.int8: "amp::Codes8"}
-
-
-def compact_kernel(kernel, grad, master, moment):
-    """The name of compact kernel `kernel` for a gradient dtype, a master (COMPACT, REMAINDER or
-    its copy's dtype) and a moment dtype (MOMENT_NAMES)."""
-    master_name = _MASTER_NAMES.get(master) or f"amp::Exact<{TYPE_NAMES[master]}>"
-    return f"{kernel}<{TYPE_NAMES[grad]}, {master_name}, {MOMENT_NAMES[moment]}>"
-
-
-_NAMES = (
-    [f"amp_unscale<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
-    + [f"amp_sum_squares<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
-    + [
-        f"{kernel}<{TYPE_NAMES[src]}, {TYPE_NAMES[dst]}>"
-        for kernel in ("amp_scale_copy", "amp_scale_add")
-        for src, dst in _layout.DTYPE_PAIRS
-    ]
-    + ["amp_norm_finalize"]
-    + [f"amp_check<{TYPE_NAMES[t]}>" for t in TYPE_NAMES]
-    + [
-        f"{kernel}<{TYPE_NAMES[grad]}, {TYPE_NAMES[low]}>"
-        for kernel in ("amp_adam", "amp_sgd")
-        for grad, low in sorted(STEP_TYPES, key=str)
-    ]
-    + ["amp_count_steps"]
-    + [
-        compact_kernel(kernel, grad, master, moment)
-        for kernel in ("amp_compact_adam", "amp_compact_sgd")
-        for grad, master in sorted(COMPACT_MASTERS, key=str)
-        for moment in MOMENT_NAMES
-    ]
-    + ["amp_compact_count_steps"]
-)
+TYPE_NAMES = _sources.TYPE_NAMES
+STEP_TYPES = _sources.STEP_TYPES
+COMPACT = _sources.COMPACT
+REMAINDER = _sources.REMAINDER
+COMPACT_MASTERS = _sources.COMPACT_MASTERS
+MOMENT_NAMES = _sources.MOMENT_NAMES
+compact_kernel = _sources.compact_kernel
 SUPPORTED_PAIRS = frozenset(_layout.DTYPE_PAIRS)
 
 
@@ -99,10 +55,26 @@ class _Stream:
         self.ptr = ptr
 
 
+class _Functions(dict):
+    """A GPU's kernels by name: a name not yet here compiles its whole family (one RawModule,
+    amp/kernels/_sources.py), so a run compiles what it launches when it first launches it and
+    a lookup afterwards is a dict's."""
+
+    def __init__(self, gpu):
+        super().__init__()
+        self._gpu = gpu
+
+    def __missing__(self, name):
+        family = _sources.family_of(name)
+        self._gpu.compile(family, (name,) if _sources.FAMILIES[family].per_kernel else None)
+        return self[name]
+
+
 class _Gpu:
-    """Compiled kernels and launch constants for one GPU."""
+    """The kernels and launch constants of one GPU."""
 
     def __init__(self, index):
+        self.index = index
         properties = torch.cuda.get_device_properties(index)
         self.multiprocessors = properties.multi_processor_count
         compute_capability = properties.major * 10 + properties.minor
@@ -120,16 +92,28 @@ class _Gpu:
         self.capacity = {
             depth: _layout.max_tensors(depth, self.parameter_bytes) for depth in _layout.DEPTHS
         }
-        self.module = cupy.RawModule(
-            code=_SOURCE,
-            options=("-std=c++17",) + _layout.compile_options(self.parameter_bytes),
-            name_expressions=_NAMES,
+        self.options = (
+            ("-std=c++17",) + _layout.compile_options(self.parameter_bytes) + _sources.GPU_OPTIONS
         )
-        with cupy.cuda.Device(index):
-            self.functions = {name: self.module.get_function(name) for name in _NAMES}
-            for function in self.functions.values():
-                function.compile()
+        self.functions = _Functions(self)
+        self.compile_seconds = {}  # family (or kernel) -> seconds to compile and load its module
         self.max_grid = self.multiprocessors * 4  # one wave of 512-thread blocks; blocks loop
+
+    def compile(self, family, names=None):
+        """Compile and load kernels `names` of `family` (a key of _sources.FAMILIES; None: all
+        of them) for this GPU, as one module."""
+        begin = time.perf_counter()
+        names = names or _sources.FAMILIES[family].names
+        module = cupy.RawModule(
+            code=_sources.source((family,)), options=self.options, name_expressions=names
+        )
+        with cupy.cuda.Device(self.index):
+            for name in names:
+                function = self.functions[name] = module.get_function(name)
+                function.compile()
+        self.compile_seconds[names[0] if len(names) == 1 else family] = (
+            time.perf_counter() - begin
+        )
 
 
 _gpus = {}
@@ -163,11 +147,15 @@ def stream(index):
 
 
 def check():
-    """Compile for the current GPU; return a line saying what runs. Raises if CuPy cannot."""
+    """Compile the smallest family (unscale and check: what an O1 run launches) for the current
+    GPU; return a line saying what runs. Raises if CuPy or NVRTC cannot: the other families
+    compile when a run first launches one of their kernels."""
     if not cupy.cuda.is_available():
         raise RuntimeError("cupy.cuda.is_available() is False")
     index = torch.cuda.current_device()
     device = gpu(index)
+    if "unscale" not in device.compile_seconds:
+        device.compile("unscale")
     return (
         f"CuPy {cupy.__version__}, NVRTC {'.'.join(map(str, nvrtc_version()))}, "
         f"{device.parameter_bytes}-byte kernel parameters "

@@ -38,7 +38,7 @@ DTYPE_PAIRS = (
     (torch.bfloat16, torch.bfloat16),
 )
 # Each kernel's Meta depth and the 8-byte parameters (pointers, doubles, long longs) it takes
-# after its Meta, as multi_tensor.cu declares them (tests/kernels/test_backends.py reads the
+# after its Meta, as the CUDA source declares them (tests/kernels/test_backends.py reads the
 # source to check): a Meta<depth> gets the parameter bytes its widest kernel leaves.
 KERNEL_PARAMETERS = {
     "amp_unscale": (1, 3),

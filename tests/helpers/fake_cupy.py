@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from amp.kernels import _layout
+from amp.kernels import _layout, _sources
 from helpers.cuda_emulation import build
 
 _DTYPES = {"float": torch.float32, "__half": torch.float16, "__nv_bfloat16": torch.bfloat16}
@@ -40,10 +40,12 @@ def _scalar(address):
 
 
 class Launches:
-    """What the fake recorded: one entry per kernel launch."""
+    """What the fake recorded: one entry per kernel launch, and the name expressions of each
+    RawModule the backend made (what a GPU would compile)."""
 
     def __init__(self):
         self.calls = []
+        self.modules = []
 
 
 _PYTHON_KERNELS = {
@@ -135,7 +137,12 @@ _compiled = {}  # (code, options, names) -> build.Module: one build per test ses
 
 
 def compiled_module(code, options, names, cuda_headers=True):
-    """The source compiled as CuPy would (-ftz=true last), once per process."""
+    """The source compiled as CuPy would (-ftz=true last), once per process; a family's source
+    with all its names (one g++ build serves each of its per-kernel modules)."""
+    for family in _sources.FAMILIES.values():
+        if set(names) <= set(family.names) and code == _sources.source_of(family):
+            names = family.names
+            break
     key = (code, tuple(options), tuple(names), cuda_headers)
     if key not in _compiled:
         _compiled[key] = build.compile_module(
@@ -145,13 +152,22 @@ def compiled_module(code, options, names, cuda_headers=True):
 
 
 def install(
-    monkeypatch, multiprocessors=2, kernels="python", order="forward", seed=0, cuda_headers=True
+    monkeypatch,
+    multiprocessors=2,
+    kernels="python",
+    order="forward",
+    seed=0,
+    cuda_headers=True,
+    torch_cuda_adam=False,
 ):
     """Put the fake CuPy in sys.modules and return (the backend module on it, Launches).
 
-    kernels="compiled" runs multi_tensor.cu itself (needs g++), threads in `order` ("forward",
-    "reversed", "shuffled" with `seed`) within every phase between barriers; cuda_headers=False
-    takes __half / __nv_bfloat16 from the shim's fallback headers even where CUDA's are installed.
+    kernels="compiled" runs the CUDA source itself (needs g++), each family the backend compiles,
+    threads in `order` ("forward", "reversed", "shuffled" with `seed`) within every phase between
+    barriers; cuda_headers=False takes __half / __nv_bfloat16 from the shim's fallback headers
+    even where CUDA's are installed. The CuPy build steps AdamW / Adam with torch's CUDA formula
+    (_sources.GPU_OPTIONS); on CPU tensors the oracle, the torch backend, runs torch's CPU fused
+    ops, so the compiled kernels take the CPU formula unless torch_cuda_adam.
     """
     launches = Launches()
 
@@ -161,6 +177,9 @@ def install(
             if any(name.startswith("amp_unscale<") for name in name_expressions):
                 assert any(o.startswith("-DAMP_MAX_TENSORS_D2=") for o in options)
             self.names = set(name_expressions)
+            launches.modules.append(tuple(name_expressions))
+            if not torch_cuda_adam:
+                options = tuple(o for o in options if o != "-DAMP_TORCH_CUDA_ADAM")
             if kernels == "compiled":
                 self.compiled = compiled_module(code, options, list(name_expressions), cuda_headers)
 

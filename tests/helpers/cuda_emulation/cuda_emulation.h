@@ -15,6 +15,7 @@
 //   reach the shuffle (some returned or wait at a block barrier) is an error, as on the GPU.
 // - __shared__ is a static thread_local: one copy per OS thread, shared by the block that runs.
 // - atomicMax (unsigned int): a plain read-modify-write, atomic since one thread runs at a time.
+// - __fdividef: the rounded quotient (the GPU's is within 2 ulps of it).
 // - Inline PTX: the instructions the source uses (mul/add/sub/div/sqrt/fma .rn.f32) are computed
 //   exactly, with subnormals kept whatever the emulated flush-to-zero mode (see AMP_EMU_PTX).
 // - -ftz=true (which CuPy always appends) is emulated by the x86 MXCSR FTZ and DAZ bits for the
@@ -498,6 +499,10 @@ inline unsigned int atomicMax(unsigned int* address, unsigned int value) {
   if (value > old) *address = value;
   return old;
 }
+
+// The GPU's approximate division (2 ulps): here the rounded quotient, which the source may take as
+// any value within that error (it uses it only where every such value gives the same result).
+inline float __fdividef(float a, float b) { return a / b; }
 
 inline unsigned int __float_as_uint(float x) {
   unsigned int bits;
