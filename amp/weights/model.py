@@ -179,10 +179,12 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
 
 def _converted(current, param):
     """Whether a conversion of the model made `current` in `param`'s place (model.to("meta"),
-    torch's swap of parameters on conversion): a new object of the same dtype and shape."""
+    torch's swap of parameters on conversion): a new object of the same class, dtype and shape
+    (not a wrapper's: fully_shard applied after amp.initialize puts a DTensor there)."""
     return (
         current is not None
         and current is not param
+        and type(current) is type(param)
         and current.dtype is param.dtype
         and current.shape == param.shape
     )
