@@ -12,15 +12,19 @@ ranks refused.
 """
 
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import amp
-from helpers import TESTS
+from helpers import ROOT, TESTS
 from helpers import fsdp2_ranks as helper
 from helpers.ranks import run_ranks
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import fsdp2_memory  # noqa: E402
 
 TWO_RANK_FORMS = [form for form in helper.FORMS if form not in helper.ONE_RANK_FORMS]
 # Two ranks against one: the same global batches, but each rank's gradients summed apart and
@@ -128,6 +132,25 @@ def test_deinitialize_gives_fsdp2_its_fp32_shards_which_train_on():
     _train(model, optimizer, scaled=False)
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_memory_benchmark_counts_what_each_recipe_holds():
+    """benchmarks/fsdp2_memory.py's bytes a parameter between steps, one rank: FSDP2's FP32
+    shards and FP32 moments, amp's bf16 shards with 2-byte remainders or 1-byte corrections,
+    8-bit moments with a scale per 32; nothing gathered, no gradient."""
+    expected = {
+        "FSDP2 mixed precision": (4, 0, 8),
+        "amp O2 exact": (2, 2, 8),
+        "amp O2 compact": (2, 1, 8),
+        "amp O2 compact + int8": (2, 1, 2 + 2 * 4 / 32),
+    }
+    for recipe, (weights, rests, state) in expected.items():
+        row = fsdp2_memory.measure(recipe, width=32, layers=1)
+        assert row["weights"] == pytest.approx(weights, abs=0.02), recipe
+        assert row["rests"] == pytest.approx(rests, abs=0.02), recipe
+        assert row["optimizer state"] == pytest.approx(state, abs=0.05), recipe
+        assert row["gathered"] == row["gradients"] == 0, recipe
+
+
 # -- gloo jobs: one rank, two ranks, one rank -----------------------------------------------------
 
 
@@ -182,6 +205,20 @@ def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
         ]
         # every local shard: weights, master rests, moments, step counts
         _equal(rank["before skip"], rank["after skip"])
+
+
+@pytest.mark.parametrize("form", TWO_RANK_FORMS)
+def test_each_rank_holds_its_shards_only(jobs, form):
+    """Between steps each rank holds its share of the weights, the masters' rests and the
+    moments; together, every element once."""
+    rank0, rank1 = _result(jobs, "two", form)
+    total = sum(value.numel() for value in rank0["end"]["model"].values())
+    for kind in ("weight", "rest", "exp_avg", "exp_avg_sq"):
+        held = [
+            sum(v.numel() for k, v in rank["end local"].items() if k.split()[0] == kind)
+            for rank in (rank0, rank1)
+        ]
+        assert sum(held) == total and 0 < held[1] <= held[0] < total, kind
 
 
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
