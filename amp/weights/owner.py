@@ -19,6 +19,9 @@ FP32 values (rows.lend) carrying those gradients: what a clipping leaves on them
 uses. A step makes the state of the parameters stepped for the first time (zero moments, step 0:
 what torch's first step finds), only once it is known to be taken, and changes nothing where it
 refuses a group; a step skipped on the device changes no bit.
+
+Under FSDP2 (shards.py) the parameters, rests, moments and gradients are DTensors of each rank's
+shard: the kernels take their local shards (`sharded`), which they step elementwise.
 """
 
 import weakref
