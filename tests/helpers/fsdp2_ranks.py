@@ -5,8 +5,8 @@ WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; this rank's results go to OUT/<JOB>
 one entry per form of FORMS.
 
 - "one" (1 rank): each form trains the global batches at world size 1 (an inf at OVERFLOW_STEP
-  too), and again without fully_shard (`plain`), and saves a distributed checkpoint
-  (OUT/<form>-one).
+  too) and saves a distributed checkpoint (OUT/<form>-one). (test_fsdp2.py trains so in its own
+  process too, sharded over a group of one rank and not.)
 - "two" (2 ranks): each form trains STEPS steps on this rank's share (accumulation over two
   micro-batches with delay_unscale, reduced as they come or once: NO_SYNC; a second loss of its
   own scaler; clipping through amp.master_params or the model: CLIP_MODEL), rank 1 alone
@@ -237,18 +237,23 @@ def refused(form):
     return {"error": None}
 
 
+def train_globally(form, sharded=True, path=None):
+    """(model, optimizer) trained on every rank's share of the global batches (the skip two
+    ranks make too); saved after CHECKPOINT_STEP to `path`, if given."""
+    model, optimizer = build(form, sharded)
+    for step in range(STEPS):
+        train_step(model, optimizer, step, range(WORLD), form, step == OVERFLOW_STEP)
+        if path is not None and step == CHECKPOINT_STEP:
+            save(model, optimizer, path)
+    return model, optimizer
+
+
 def one(out, form, rank):
-    ended = {}
-    for sharded in (True, False):
-        model, optimizer = build(form, sharded)
-        for step in range(STEPS):  # the skip two ranks make, here too
-            overflow = step == OVERFLOW_STEP
-            train_step(model, optimizer, step, range(WORLD), form, overflow)
-        ended[sharded] = gathered(model, optimizer)
-        if sharded:
-            save(model, optimizer, f"{out}/{form}-one")
-        amp.deinitialize()
-    return {"end": ended[True], "plain": ended[False]}
+    model, optimizer = train_globally(form)
+    end = gathered(model, optimizer)
+    save(model, optimizer, f"{out}/{form}-one")
+    amp.deinitialize()
+    return {"end": end}
 
 
 def load_two(out, form, rank):

@@ -2,12 +2,14 @@
 amp.initialize(opt_level="O2") trains each rank's shards with exact, compact (bf16) or FP32
 (fp16) masters, FP32 moments.
 
-In one process (a gloo group of one rank): what amp refuses, changing nothing, and deinitialize
-giving FSDP2 its FP32 shards back. With real gloo jobs (tests/helpers/fsdp2_ranks.py, run once
-for the module: one rank, two ranks, one rank): ranks that agree on a skip rank 1 alone saw,
-clipping that takes the global norm, a resume bit for bit with an uninterrupted run, checkpoints
-loaded at another world size (2 -> 1, 1 -> 2) bit for bit, one rank sharded bit for bit with no
-sharding (8-bit moments too), two ranks training as one process, and 8-bit moments over two
+In one process (a gloo group of one rank): what amp refuses, changing nothing; one rank sharded
+training bit for bit as no sharding (8-bit moments too) and resuming from a distributed
+checkpoint bit for bit; deinitialize giving FSDP2 its FP32 shards back; what the memory
+benchmark counts. With real gloo jobs (tests/helpers/fsdp2_ranks.py, run once for the module:
+one rank, two ranks, one rank; marked slow, as the other multi-process jobs): ranks that agree
+on a skip rank 1 alone saw, each rank holding its shards only, clipping that takes the global
+norm, a resume bit for bit with an uninterrupted run, checkpoints loaded at another world size
+(2 -> 1, 1 -> 2) bit for bit, two ranks training as one process, and 8-bit moments over two
 ranks refused.
 """
 
@@ -133,6 +135,28 @@ def test_deinitialize_gives_fsdp2_its_fp32_shards_which_train_on():
 
 
 @pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("form", list(helper.FORMS))
+def test_one_rank_sharded_trains_as_unsharded_and_resumes_bit_for_bit(form, tmp_path):
+    """The global batches, with accumulation, a second loss, clipping and a skip
+    (fsdp2_ranks.train_step), under fully_shard over one rank and without it; a fresh run
+    resumed from the distributed checkpoint saved on the way."""
+    ended = {}
+    for sharded in (True, False):
+        model, optimizer = helper.train_globally(form, sharded, tmp_path if sharded else None)
+        ended[sharded] = helper.gathered(model, optimizer)
+        amp.deinitialize()
+    _equal(ended[True], ended[False])
+    model, optimizer = helper.build(form)
+    helper.load(model, optimizer, tmp_path)
+    for step in range(helper.CHECKPOINT_STEP + 1, helper.STEPS):
+        helper.train_step(model, optimizer, step, range(helper.WORLD), form)
+    try:
+        _equal(helper.gathered(model, optimizer), ended[True])
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_the_memory_benchmark_counts_what_each_recipe_holds():
     """benchmarks/fsdp2_memory.py's bytes a parameter between steps, one rank: FSDP2's FP32
     shards and FP32 moments, amp's bf16 shards with 2-byte remainders or 1-byte corrections,
@@ -191,6 +215,7 @@ def _equal(a, b, path=""):
     assert a == b, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
     rank0, rank1 = _result(jobs, "two", form)
@@ -207,6 +232,7 @@ def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
         _equal(rank["before skip"], rank["after skip"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_each_rank_holds_its_shards_only(jobs, form):
     """Between steps each rank holds its share of the weights, the masters' rests and the
@@ -221,6 +247,7 @@ def test_each_rank_holds_its_shards_only(jobs, form):
         assert sum(held) == total and 0 < held[1] <= held[0] < total, kind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_clipping_takes_the_global_norm(jobs, form):
     """Through amp.master_params (FP32), or torch's clip_grad_norm_ on the model's bf16 gradients
@@ -237,6 +264,7 @@ def test_clipping_takes_the_global_norm(jobs, form):
         assert not math.isclose(norm, local0, rel_tol=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_resumed_at_the_same_world_size_bit_for_bit(jobs, form):
     for rank in _result(jobs, "two", form):
@@ -244,6 +272,7 @@ def test_resumed_at_the_same_world_size_bit_for_bit(jobs, form):
         _equal(rank["end local"], rank["resumed local"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_a_two_rank_checkpoint_loads_at_one_rank_bit_for_bit(jobs, form):
     """The head's bias of 100 splits at element 50, inside a block of 32."""
@@ -253,6 +282,7 @@ def test_a_two_rank_checkpoint_loads_at_one_rank_bit_for_bit(jobs, form):
     _equal(loaded["from two"], rank0["end"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_a_one_rank_checkpoint_loads_at_two_ranks_bit_for_bit(jobs, form):
     (one,) = _result(jobs, "one", form)
@@ -260,20 +290,16 @@ def test_a_one_rank_checkpoint_loads_at_two_ranks_bit_for_bit(jobs, form):
         _equal(rank["from one"], one["end"])
 
 
-@pytest.mark.parametrize("form", list(helper.FORMS))
-def test_one_rank_sharded_trains_bit_for_bit_as_unsharded(jobs, form):
-    (one,) = _result(jobs, "one", form)
-    _equal(one["end"], one["plain"])
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_two_ranks_train_the_global_batches_as_one_process(jobs, form):
-    (one,) = _result(jobs, "one", form)
+    (one,) = _result(jobs, "one", form)  # bit for bit one process's (the test above)
     rank0, _ = _result(jobs, "two", form)
     for name, value in rank0["end"]["model"].items():
-        torch.testing.assert_close(value, one["plain"]["model"][name], **TOLERANCE, msg=name)
+        torch.testing.assert_close(value, one["end"]["model"][name], **TOLERANCE, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", helper.ONE_RANK_FORMS)
 def test_8_bit_moments_over_two_ranks_are_refused_changing_nothing(jobs, form):
     for rank in _result(jobs, "two", form):
