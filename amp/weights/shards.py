@@ -29,7 +29,7 @@ import torch
 from ..distributed import dtensor_class
 from . import paths
 
-__all__ = ["FSDP2", "is_fsdp2", "check", "check_groups", "resync"]
+__all__ = ["FSDP2", "check", "check_groups", "resync"]
 
 FSDP2 = "fully_shard (FSDP2)"
 _ROUTE = (
@@ -39,18 +39,9 @@ _ROUTE = (
 )
 
 
-def _fsdp():
-    return sys.modules.get("torch.distributed.fsdp")
-
-
-def is_fsdp2(model):
-    fsdp = _fsdp()
-    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
-
-
 def _groups(model):
     """FSDP2's parameter groups of `model` (each once: fully_shard([a, b]) shares one state)."""
-    fsdp = _fsdp()
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no FSDP2 model before it is imported
     found = {}
     for module in model.modules():
         if fsdp is not None and isinstance(module, fsdp.FSDPModule):
