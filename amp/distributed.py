@@ -4,6 +4,9 @@
   check, none when not distributed.
 - Sharded gradients (FSDP2's DTensors, FSDP1's flat parameters) are unscaled and checked through
   their local shards, and overflow reports name the original parameters across all shards.
+- O2 under FSDP2 steps DTensor parameters through their local shards (`shards`), runs amp's
+  elementwise codecs shard by shard (`shardwise`: the same bits sharded or not) and swaps a
+  DTensor parameter's data where `.data =` cannot (`set_data`).
 
 What amp refuses or follows of the engines themselves lives in weights/engines.py.
 """
@@ -23,6 +26,9 @@ __all__ = [
     "agree_on_flags",
     "local",
     "local_tensors",
+    "shards",
+    "shardwise",
+    "set_data",
     "has_dtensors",
     "clean_name",
     "nonfinite_names",
@@ -84,10 +90,67 @@ def local(tensor):
 
 def local_tensors(tensors):
     """The tensors with every DTensor replaced by its local shard (which shares its storage)."""
-    dtensor = dtensor_class()
-    if dtensor is None:
+    if dtensor_class() is None:
         return tensors
-    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+    return shards(tensors)
+
+
+# A DTensor's local shard is its `_local_tensor`: read as an attribute, a whole list costs one
+# C-level map (to_local() is an autograd function per tensor, and a step's lists need no autograd).
+_LOCAL_NAMES = itertools.repeat("_local_tensor")
+
+
+def shards(tensors):
+    """Each DTensor of `tensors` as its local shard, other tensors (and None) as they are."""
+    return list(map(getattr, tensors, _LOCAL_NAMES, tensors))
+
+
+def _like(local, dtensor):
+    """`local` as the shard of a DTensor laid out as `dtensor` (its mesh, placements, global shape
+    and stride), in local's dtype."""
+    return dtensor_class().from_local(
+        local,
+        dtensor.device_mesh,
+        dtensor.placements,
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
+    )
+
+
+def shardwise(function, *args):
+    """`function(*args)` for a `function` of tensors elementwise (amp's codecs: the same bits
+    sharded or not), run on the local shards where the first argument is a DTensor: its results
+    of the shard's shape come back as DTensors laid out as the first argument, others (an 8-bit
+    moment's block scales) as they are."""
+    first = args[0]
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(first, dtensor):
+        return function(*args)
+    shape = first._local_tensor.shape
+    result = function(*shards(args))
+    parts = result if isinstance(result, tuple) else (result,)
+    parts = tuple(_like(part, first) if part.shape == shape else part for part in parts)
+    return parts if isinstance(result, tuple) else parts[0]
+
+
+def set_data(param, data):
+    """`param.data = data`, its gradient (if any) brought to the new dtype, for a DTensor parameter
+    too.
+
+    A DTensor's `.data =` changes the wrapper's dtype but not its local shard, so such a parameter
+    is swapped with a new one holding `data` (its identity kept, as torch's nn.Module._apply swaps
+    them); the engine's record of the shard is brought in step by its owner (weights/shards.py).
+    """
+    grad, param.grad = param.grad, None
+    dtensor = dtensor_class()
+    if dtensor is not None and isinstance(param, dtensor):
+        new = torch.nn.Parameter(data.detach(), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, new)
+    else:
+        param.data = data
+    if grad is not None:
+        param.grad = grad.to(param.dtype)
 
 
 def has_dtensors(tensors):

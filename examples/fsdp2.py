@@ -1,18 +1,28 @@
 """Sharded data-parallel training with amp and FSDP2 (fully_shard), launched with torchrun.
 
 Each rank holds a shard of every parameter and of the optimizer state, and trains on its share of
-scikit-learn's digits (gloo on CPU, NCCL on GPUs). Two recipes:
+scikit-learn's digits (gloo on CPU, NCCL on GPUs). Four recipes:
 
   O1       fully_shard, then the optimizer, then amp.initialize(opt_level="O1"): amp casts around
            torch functions, the FP32 shards stay the parameters, amp.scale_loss scales.
+  O2       fully_shard, then the optimizer, then amp.initialize(opt_level="O2"): each rank holds
+           its low-precision shards and their masters' rests (a bf16 shard's exact FP32 value in
+           4 bytes), moments FP32, stepped on its shards; 12 bytes a parameter of its share, FSDP2
+           gathers low precision. FSDP2 reduces gradients in FP32 (MixedPrecisionPolicy's
+           reduce_dtype); batch norm, kept FP32, is sharded on its own.
+  compact  O2 with master_weights="compact": an 8-bit correction beside each bf16 shard (11
+           bytes; bfloat16 whatever --dtype says).
   scaler   fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=...)): FSDP2 computes with
-           low-precision parameters and keeps FP32 shards (what O2 does), amp.GradScaler scales.
+           low-precision parameters and keeps FP32 shards, amp.GradScaler scales (12 bytes).
 
-amp.initialize at O2/O3 refuses a sharded model (the shards are the master weights already): use
-the scaler recipe. An overflow seen by one rank only (--inject-overflow-rank, in that rank's own
-shard) makes every rank skip the step and back off together.
+An overflow seen by one rank only (--inject-overflow-rank, in that rank's own shard) makes every
+rank skip the step and back off together. --save writes a distributed checkpoint at the end
+(torch's get_state_dict and torch.distributed.checkpoint, amp.state_dict() beside), --resume
+starts from one: at O2 it loads at any number of ranks, bit for bit.
 
     torchrun --nproc_per_node=2 examples/fsdp2.py
+    torchrun --nproc_per_node=2 examples/fsdp2.py --recipe compact --save /tmp/fsdp2-checkpoint
+    torchrun --nproc_per_node=1 examples/fsdp2.py --recipe compact --resume /tmp/fsdp2-checkpoint
     torchrun --nproc_per_node=2 examples/fsdp2.py --recipe scaler --inject-overflow-rank 1 --inject-overflow-step 3
     torchrun --nproc_per_node=2 examples/fsdp2.py --device cuda          # one GPU per process
 """
@@ -38,6 +48,8 @@ from demo import load_digits, make_model  # noqa: E402
 
 import amp  # noqa: E402
 
+O2_RECIPES = {"O2": dict(master_weights=True), "compact": dict(master_weights="compact")}
+
 
 def shard(model, recipe, dtype):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -47,13 +59,36 @@ def shard(model, recipe, dtype):
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         # Batch norm stays in FP32, as at O2: its statistics are FP32 buffers.
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    elif recipe in O2_RECIPES:  # amp casts; FSDP2 sums the ranks' gradients in FP32
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mp_policy=policy)
-        elif isinstance(layer, torch.nn.BatchNorm1d):
+        elif isinstance(layer, torch.nn.BatchNorm1d):  # its own group: it stays FP32 at O2
             fully_shard(layer, mp_policy=fp32)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def checkpoint(model, optimizer, path, load):
+    """Save (or, `load`, resume) the model, the optimizer (each parameter's shard, its master's
+    rest and its moments, under the model's names) and amp's loss scales: torch's distributed
+    checkpoint, which reshards at load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # a load's template too
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if not load:
+        dcp.save(state, checkpoint_id=path)
+        if dist.get_rank() == 0:
+            torch.save(amp.state_dict(), os.path.join(path, "amp.pt"))
+        return
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    amp.load_state_dict(torch.load(os.path.join(path, "amp.pt")))
 
 
 def main(argv=None):
@@ -62,24 +97,31 @@ def main(argv=None):
     parser.add_argument(
         "--recipe",
         default="O1",
-        choices=["O1", "scaler"],
-        help="O1: amp.initialize at O1; scaler: FSDP2's MixedPrecisionPolicy with amp.GradScaler",
+        choices=["O1", "O2", "compact", "scaler"],
+        help="O1 or O2: amp.initialize at that level; compact: O2 with compact masters; "
+        "scaler: FSDP2's MixedPrecisionPolicy with amp.GradScaler",
     )
+    parser.add_argument("--save", help="folder for a distributed checkpoint at the end")
+    parser.add_argument("--resume", help="a distributed checkpoint to start from")
     distributed_arguments(parser)
     args = parser.parse_args(argv)
     rank, world, device = init_distributed(args.device)
-    dtype = getattr(torch, args.dtype)
+    dtype = torch.bfloat16 if args.recipe == "compact" else getattr(torch, args.dtype)
 
     train_x, train_y, test_x, test_y = load_digits(device)
     model = shard(make_model().to(device), args.recipe, dtype)  # the same weights on every rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4)  # after fully_shard
     scaler = None
-    if args.recipe == "O1":
-        model, optimizer = amp.initialize(
-            model, optimizer, opt_level="O1", dtype=dtype, verbosity=0
-        )
-    else:
+    if args.recipe == "scaler":
         scaler = amp.GradScaler()
+    else:
+        level = "O1" if args.recipe == "O1" else "O2"
+        options = O2_RECIPES.get(args.recipe, {})
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level=level, dtype=dtype, verbosity=0, **options
+        )
+    if args.resume:
+        checkpoint(model, optimizer, args.resume, load=True)
 
     scales, skipped = [], []
     generator = torch.Generator().manual_seed(7)  # the same batch order on every rank
@@ -112,11 +154,15 @@ def main(argv=None):
             scales.append(scaler.get_scale())
         optimizer.zero_grad()
 
+    if args.save:
+        checkpoint(model, optimizer, args.save, load=False)
     model.eval()
     with torch.no_grad():
         accuracy = (model(test_x).argmax(-1) == test_y).float().mean().item()
-    # The FP32 parameters, gathered from the shards (batch-norm statistics stay per rank).
-    state = {name: param.full_tensor().cpu() for name, param in model.named_parameters()}
+    # The FP32 values (at O2 the masters), gathered from the shards (batch-norm statistics stay
+    # per rank).
+    values = model.state_dict()
+    state = {name: values[name].full_tensor().cpu() for name, _ in model.named_parameters()}
     report_rank(rank, args.out, state, scales, skipped, accuracy)
     amp.deinitialize()
     dist.destroy_process_group()

@@ -33,6 +33,7 @@ class MasterCopies(Rows):
     # What an owner amp steps holds for a step; the optimizer's own step reads the masters' FP32
     # gradients.
     kept, copies, handed, grads, _handed_weak, grads_in_model = None, None, None, None, None, False
+    sharded = False  # FSDP2 at O2 takes the fused path only (weights/shards.py)
 
     def __init__(self, optimizer, dtype):
         super().__init__(MasterForm(FP32, dtype))

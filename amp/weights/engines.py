@@ -1,10 +1,11 @@
 """The distributed engines amp meets: combinations it refuses, parameters a late wrapper replaced,
 and ZeroRedundancyOptimizer stepping the O2 masters.
 
-- What amp cannot support is refused at `amp.initialize` (low-precision model casts of sharded
-  models), and a parameter replaced after `amp.initialize` (a wrapper applied too late) raises at
-  the next step instead of training nothing: each optimizer's record remembers where its
-  parameters sit (`Places`), and its step checks that with C-level lookups.
+- What amp cannot support is refused at `amp.initialize` (low-precision casts of models sharded
+  by FSDP1 or DTensors, O3 under FSDP2; O2 under FSDP2 is shards.py's), and a parameter replaced
+  after `amp.initialize` (a wrapper applied too late) raises at the next step instead of
+  training nothing: each optimizer's record remembers where its parameters sit (`Places`), and
+  its step checks that with C-level lookups.
 - ZeroRedundancyOptimizer at O2 steps amp's FP32 masters on each rank's partition.
 - DistributedDataParallel at O2 broadcasts rank 0's masters' rests with its parameters.
 """
@@ -17,6 +18,7 @@ import torch
 
 from .._state import amp_state
 from ..distributed import clean_name, dtensor_class, has_dtensors
+from . import shards
 
 __all__ = [
     "check_engines",
@@ -28,11 +30,11 @@ __all__ = [
 ]
 
 _SUPPORTED_ROUTES = (
-    "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'); or, "
-    "for low-precision parameters, the engine's own mixed precision "
-    "(fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)), or "
-    "FullyShardedDataParallel(mixed_precision=MixedPrecision(...))) with amp.GradScaler and no "
-    "amp.initialize."
+    "Supported: the wrapper first, then the optimizer, then amp.initialize(opt_level='O1'), or "
+    "with fully_shard (FSDP2) also opt_level='O2'; or, for low-precision parameters, the "
+    "engine's own mixed precision (fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype="
+    "torch.float16)), or FullyShardedDataParallel(mixed_precision=MixedPrecision(...))) with "
+    "amp.GradScaler and no amp.initialize."
 )
 
 
@@ -45,7 +47,7 @@ def _engine(model):
     if fsdp is not None:
         for module in model.modules():
             if isinstance(module, fsdp.FSDPModule):
-                return "fully_shard (FSDP2)"
+                return shards.FSDP2
             if isinstance(module, fsdp.FullyShardedDataParallel):
                 return "FullyShardedDataParallel (FSDP1)"
     if has_dtensors(model.parameters()):
@@ -58,13 +60,21 @@ def check_engines(models, optimizers, properties):
     casts = properties.cast_model_type not in (None, False, torch.float32)
     for index, model in enumerate(models):
         engine = _engine(model)
-        if engine is not None and casts:
-            raise RuntimeError(
-                f"amp.initialize: models[{index}] is sharded by {engine}, and opt_level="
-                f"{properties.opt_level!r} casts the model to {properties.cast_model_type}: "
-                "amp's casts and FP32 master weights cannot follow the engine's shards (which, "
-                "kept in FP32, already are master weights). " + _SUPPORTED_ROUTES
-            )
+        if engine is None or not casts:
+            continue
+        if engine == shards.FSDP2 and properties.master_weights:
+            shards.check(model, index, optimizers, properties)  # O2: each rank its shards
+            continue
+        why = (
+            "without master weights: under fully_shard, O2 keeps each shard's"
+            if engine == shards.FSDP2
+            else "amp's casts and master weights follow FSDP2's shards, not this engine's"
+        )
+        raise RuntimeError(
+            f"amp.initialize: models[{index}] is sharded by {engine}, and opt_level="
+            f"{properties.opt_level!r} casts the model to {properties.cast_model_type} {why}. "
+            + _SUPPORTED_ROUTES
+        )
     zero = _zero_class()
     if zero is None or not properties.master_weights:
         return
@@ -74,7 +84,9 @@ def check_engines(models, optimizers, properties):
                 f"amp.initialize: optimizers[{index}] is a ZeroRedundancyOptimizer, whose local "
                 "optimizer steps its share of the parameters with its own step; compact state "
                 "(master_weights='compact', optimizer_state other than 'fp32') is kept by amp's "
-                "fused step only. Use master_weights=True with optimizer_state='fp32' under ZeRO."
+                "fused step only. Use master_weights=True with optimizer_state='fp32' under "
+                "ZeRO, or fully_shard (FSDP2), under which O2 keeps compact masters shard by "
+                "shard."
             )
         if isinstance(optimizer, zero) and (
             optimizer.parameters_as_bucket_view or optimizer._overlap_with_ddp

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import kernels
+from .. import distributed, kernels
 from .rows import MasterForm
 
 __all__ = ["MOMENTS", "Layout", "StateForm", "check_entry", "torch_entry"]
@@ -118,7 +118,8 @@ class StateForm:
             return {keys[0]: values.float()}
         if self.moments == "bf16":
             return {keys[0]: values.to(torch.bfloat16).contiguous()}
-        codes, scales = kernels.moment_encode(values.float(), signed)
+        # shard by shard (FSDP2 on one rank: a shard is its whole tensor; weights/shards.py)
+        codes, scales = distributed.shardwise(kernels.moment_encode, values.float(), signed)
         return {keys[0]: codes.contiguous(), keys[1]: scales}
 
     # -- conversions -----------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def _values(entry, moment, signed):
     codes, scales = entry.get(f"{moment}_codes"), entry.get(f"{moment}_scales")
     if isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor):
         codes = codes.to(torch.int8 if signed else torch.uint8)
-        return kernels.moment_decode(codes, scales.float())
+        return distributed.shardwise(kernels.moment_decode, codes, scales.float())
     return None
 
 
@@ -232,7 +233,7 @@ def _decoded_master(key, low, rest):
     """The FP32 value of a master whose rest (under `key`, in any dtype torch's load cast it to)
     is `rest` beside the weight `low`."""
     if key == MasterForm.KEYS["remainder"]:
-        return kernels.remainder_decode(low, rest.to(torch.int16))
+        return distributed.shardwise(kernels.remainder_decode, low, rest.to(torch.int16))
     if key == MasterForm.KEYS["correction"]:
-        return kernels.compact_decode(low, rest.to(torch.int8))
+        return distributed.shardwise(kernels.compact_decode, low, rest.to(torch.int8))
     return rest.float()

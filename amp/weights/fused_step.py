@@ -25,6 +25,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .. import kernels
+from ..distributed import shards
 from .columns import GRAD, IS_SPARSE, MARKS, NONES, VERSION, consume, repeat
 
 __all__ = ["uncovered", "options_of", "step"]
@@ -273,6 +274,10 @@ def _launch(owner, call, made, found_inf, fp32_rests=None):
         for row, master in zip(rows, masters):
             if row is not None:
                 fp32_rests[row] = master
+    if owner.sharded:  # FSDP2's DTensors: each rank steps its local shards (elementwise)
+        grads, lows, masters = shards(grads), shards(lows), shards(masters)
+        moments = [None if m is None else shards(m) for m in moments]
+        scales = None if scales is None else [shards(s) for s in scales]
     if owner.kind == "adam":
         kernels.adam_step_(
             grads, lows, masters, moments[0], moments[1], _on_device(steps, states, params),

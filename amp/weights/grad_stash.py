@@ -243,7 +243,8 @@ def _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, plai
     dense = not any(map(IS_SPARSE, grads))
     # StateOwner's, with no FP32 master gradient: the usual O2 bf16 exit
     if into_masters and keep and dense and owner.grads_in_model and not owner.grads:
-        kernels.unscale_([*plain, *grads] if plain else grads, inv_scale, found_inf)
+        views = _local(owner, grads)
+        kernels.unscale_([*plain, *views] if plain else views, inv_scale, found_inf)
         return
     if into_masters:
         all_grads = owner.master_grads()
@@ -262,13 +263,16 @@ def _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, plai
             _unscale_one_by_one(owner, models, rows, grads, inv_scale, found_inf, into_masters,
                                 handed)
         else:  # into the master gradients there, one launch per dtype group
-            kernels.unscale_add_(grads, master_grads, inv_scale, found_inf, check=False)
+            kernels.unscale_add_(
+                _local(owner, grads), _local(owner, master_grads), inv_scale, found_inf,
+                check=False,
+            )
         if into_masters:
             owner.place_copies(list(rows))
         return
     if into_masters and keep and owner.keeps_on(grads[0].device):
         kernels.unscale_(plain, inv_scale, found_inf)
-        kernels.check_(grads, found_inf)
+        kernels.check_(_local(owner, grads), found_inf)
         owner.keep(list(rows), grads, inv_scale)
         return
     # One launch per dtype group and piece (per launch-sized run of tensors with the CuPy
@@ -276,7 +280,10 @@ def _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, plai
     rows = list(rows)
     for start, stop in _pieces(models):
         fresh = list(map(_EMPTY_FP32, models[start:stop]))
-        kernels.unscale_to_(grads[start:stop], fresh, inv_scale, found_inf, check=False, also=plain)
+        kernels.unscale_to_(
+            _local(owner, grads[start:stop]), _local(owner, fresh), inv_scale, found_inf,
+            check=False, also=plain,
+        )
         grads[start:stop] = [None] * (stop - start)
         plain = ()
         if into_masters:
@@ -288,6 +295,13 @@ def _unscale_model_grads(owner, inv_scale, found_inf, into_masters, handed, plai
 
 
 _EMPTY_FP32 = functools.partial(torch.empty_like, dtype=torch.float32)
+
+
+def _local(owner, tensors):
+    """`tensors` as the kernels take them: FSDP2's DTensors (an owner's sharded rows) as their
+    local shards, which the kernels read and write elementwise."""
+    return distributed.shards(tensors) if owner.sharded else tensors
+
 
 # FP32 gradients made from low-precision ones at once: a quarter of them. All at once, the model's
 # gradients and all the new ones are held together (6 bytes a parameter with bf16, the step's
@@ -340,8 +354,9 @@ def _unscale_one_by_one(owner, models, rows, grads, inv_scale, found_inf, into_m
                 handed.append((model_param, destination))
             else:
                 later.append((row, destination))
-    kernels.unscale_to_(fresh_sources, fresh, inv_scale, found_inf, check=False)
-    kernels.unscale_add_(add_sources, add_to, inv_scale, found_inf, check=False)
+    local = functools.partial(_local, owner)
+    kernels.unscale_to_(local(fresh_sources), local(fresh), inv_scale, found_inf, check=False)
+    kernels.unscale_add_(local(add_sources), local(add_to), inv_scale, found_inf, check=False)
     for row, grad in later:
         _add_to_master_grad(owner, row, grad)
 

@@ -9,6 +9,11 @@ lent in step with it, as an FP32 master is: a write into the tensor is the row's
 next step or forward on (the FP32 side wins, as for an FP32 master), and a step, a load or a
 write taken in is seen in it.
 
+A lent DTensor (an FSDP2 shard's value) is watched through its version counter and its local
+shard's: an in-place op on the DTensor bumps the first only, torch's distributed checkpoint
+loads into the shard, which bumps the second only. (An in-place foreach op on DTensors bumps
+neither, and is not seen.)
+
 Lending only reads: it decodes the row into a new tensor and notes it, or hands out the one
 already lent. Nothing that reads (a step hook, another thread's state dict, amp.master_params)
 writes a row or a mark; only the training thread's step, forward, load and undo take what was
@@ -22,6 +27,7 @@ import weakref
 
 import torch
 
+from ..distributed import dtensor_class
 from .columns import NONES as _NONES
 
 __all__ = ["LentValues"]
@@ -29,6 +35,17 @@ __all__ = ["LentValues"]
 _VERSION = operator.attrgetter("_version")
 _CALL = operator.call
 _NOT_NONE = operator.is_not
+
+
+def _version(value):
+    """A lent tensor's version counter (a DTensor's: with its local shard's, the module doc)."""
+    local = getattr(value, "_local_tensor", None)
+    return value._version if local is None else value._version + local._version
+
+
+def _versions(values, sharded):
+    """_version of each of `values` (at C level but where some are DTensors)."""
+    return list(map(_version if sharded else _VERSION, values))
 
 
 class LentValues:
@@ -39,6 +56,7 @@ class LentValues:
         self.strong = {}  # index -> the tensor, held until its writes are taken
         self.seen = []  # the parameter's (version, data pointer) when its value was lent
         self.position = {}  # key -> its index in the lists
+        self.sharded = False  # some are DTensors: their shards' counters are read
 
     def lend(self, key, param, value_of):
         """The FP32 tensor lent for `key` (the row of `param`): the one still held, unless
@@ -48,17 +66,20 @@ class LentValues:
         index = self.position.get(key)
         value = None if index is None else self.refs[index]()
         mark = (param._version, param.data_ptr())
-        if value is not None and self.seen[index] != mark and value._version == self.versions[index]:
+        unwritten = value is not None and _version(value) == self.versions[index]
+        if unwritten and self.seen[index] != mark:
             value = None  # made before a write from outside amp, and not written since
         if value is None:
             value = value_of()
+            dtensor = dtensor_class()
+            self.sharded = self.sharded or (dtensor is not None and isinstance(value, dtensor))
             if index is None:
                 index = self.position[key] = len(self.keys)
                 for column in (self.keys, self.refs, self.versions, self.seen):
                     column.append(None)
                 self.keys[index] = key
             self.refs[index] = weakref.ref(value)
-            self.versions[index] = value._version
+            self.versions[index] = _version(value)
             self.seen[index] = mark
         self.strong[index] = value  # held until its writes are taken
         return value
@@ -68,7 +89,7 @@ class LentValues:
         None (what the row's value is until the write is taken)."""
         index = self.position.get(key)
         value = None if index is None else self.refs[index]()
-        if value is not None and value._version != self.versions[index]:
+        if value is not None and _version(value) != self.versions[index]:
             return value
         return None
 
@@ -78,7 +99,9 @@ class LentValues:
     def unchanged(self):
         """True when every lent tensor is alive and unwritten (C-level compares)."""
         values = self._values()
-        return all(map(_NOT_NONE, values, _NONES)) and list(map(_VERSION, values)) == self.versions
+        if not all(map(_NOT_NONE, values, _NONES)):
+            return False
+        return _versions(values, self.sharded) == self.versions
 
     def written(self, rows_of):
         """[(row, tensor)] of the lent tensors written since amp last wrote or lent them, for
@@ -92,9 +115,9 @@ class LentValues:
             value, row = ref(), rows_of.get(key)
             if value is None or row is None:
                 continue
-            if value._version != version:
+            if _version(value) != version:
                 found.append((row, value))
-            kept.append((key, ref, value._version, seen))
+            kept.append((key, ref, _version(value), seen))
         self.keys = [key for key, _, _, _ in kept]
         self.refs = [ref for _, ref, _, _ in kept]
         self.versions = [version for _, _, version, _ in kept]
@@ -112,5 +135,5 @@ class LentValues:
                 if value is None or row is None or (rows is not None and row not in rows):
                     continue
                 value.copy_(value_of(row))
-                self.versions[index] = value._version
+                self.versions[index] = _version(value)
                 self.seen[index] = (params[row]._version, params[row].data_ptr())

@@ -14,6 +14,8 @@ from .._state import amp_state
 from ..casting import fp32_modules
 from ..casting.cast_tree import CastInputs, CastOutputs
 from ..casting.casts import LOW_PRECISION
+from ..distributed import set_data
+from . import shards
 from .buffers import BufferTable, held_exactly
 from .model_state import FP32StateDict, LoadIntoCopies, MarkLoaded, ModelCopies, SyncBeforeForward
 from .rows import FrozenRows
@@ -117,6 +119,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
             if p is not None and id(p) in cast_ids:
                 places.setdefault(id(p), (p, module, name))
     params = [param for param, _, _ in places.values()]
+    shards.check_groups(model, cast_ids, dtype)
     buffers, lows = BufferTable(), []
     for module in _modules_to_cast(model, keep_batchnorm_fp32):
         for name, buffer in module._buffers.items():
@@ -134,21 +137,22 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
                     rows, row = copies.find(param)
                     if rows is not None:
                         value = torch.empty_like(current.data, dtype=torch.float32)
-                        current.data = value.copy_(rows.value_with(row, current.detach()))
+                        set_data(current, value.copy_(rows.value_with(row, current.detach())))
                     continue
                 if param.dtype is not torch.float32:
                     rows, row = copies.find(param)
                     if rows is None:
-                        param.data = param.data.float()
+                        set_data(param, param.data.float())
                     else:  # in the parameter's own layout
                         value = torch.empty_like(param.data, dtype=torch.float32)
-                        param.data = value.copy_(rows.value(row))
+                        set_data(param, value.copy_(rows.value(row)))
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
             for row, (module, name) in enumerate(buffers.places):
                 current = buffers.current(row)
                 if current is not None and current.dtype in LOW_PRECISION:
                     module._buffers[name] = buffers.full(row)
+        shards.resync(model)
         _flatten_rnns(model)
 
     ledger.add_undo(f"FP32 weights back into {type(model).__name__}", undo)
@@ -158,10 +162,10 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
             if param.dtype is not torch.float32:
                 pass  # its optimizer's row made its weight already
             elif rows is not None or form is None:  # an FP32 master's copy, or O3's weight
-                param.data = param.data.to(dtype)
+                set_data(param, param.data.to(dtype))
             else:
                 low, rest = form.encode(param.detach().float())
-                param.data = low
+                set_data(param, low)
                 frozen = frozen_rows(form)
                 frozen.add(param, rest)
                 amp_state.owners[id(param)] = frozen
@@ -172,6 +176,7 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
         for (module, name), low in zip(buffers.places, lows):
             module._buffers[name] = low
     buffers.mark_places()
+    shards.resync(model)
     _flatten_rnns(model)
     _register_state_dict_hooks(model, copies, ledger)
     return copies
@@ -179,10 +184,12 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
 
 def _converted(current, param):
     """Whether a conversion of the model made `current` in `param`'s place (model.to("meta"),
-    torch's swap of parameters on conversion): a new object of the same dtype and shape."""
+    torch's swap of parameters on conversion): a new object of the same class, dtype and shape
+    (not a wrapper's: fully_shard applied after amp.initialize puts a DTensor there)."""
     return (
         current is not None
         and current is not param
+        and type(current) is type(param)
         and current.dtype is param.dtype
         and current.shape == param.shape
     )

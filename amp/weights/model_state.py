@@ -133,8 +133,9 @@ class SyncBeforeForward:
         # C-level compares, inlined: a forward costs no Python call per owner.
         for rows in amp_state.rows if copies.own is None else copies.own:
             lent = rows.lent
-            if lent.keys and list(map(getattr, map(_CALL, lent.refs), _VERSIONS, _NONES)) != (
-                lent.versions
+            if lent.keys and (
+                lent.sharded  # read through their shards: LentValues.written does
+                or list(map(getattr, map(_CALL, lent.refs), _VERSIONS, _NONES)) != lent.versions
             ):
                 rows.take_writes()
             elif rows.fp32 and list(map(_VERSION, rows.rests_seen)) != rows.rest_versions:

@@ -24,6 +24,7 @@ state-dict hooks do it (`StateDictHooks`); on a wrapper (apex's LARC) or a class
 
 import torch
 
+from .. import distributed
 from .._state import amp_state
 from .copies import MasterCopies
 from .forms import check_entry, torch_entry
@@ -128,8 +129,17 @@ def saved(optimizer, owner, state):
             entries[index] = dict(entries.get(index, {}), master=owner.value(row).detach())
         else:  # as its value has it now (a write not yet taken in included)
             entry = entries.get(index, {})
-            entries[index] = dict(entry, **{owner.form.key: owner.saved_rest(row)})
+            entries[index] = dict(entry, **{owner.form.key: _gatherable(owner.saved_rest(row))})
     return state
+
+
+def _gatherable(rest):
+    """A rest as a state dict holds it: a sharded int16 remainder (FSDP2's DTensor) widened to
+    int32, exactly, since torch's collectives gather no int16 (neither gloo nor NCCL has it) and
+    torch gathers the shards for a full state dict; a load narrows it back."""
+    if rest.dtype is torch.int16 and distributed.has_dtensors((rest,)):
+        return rest.to(torch.int32)
+    return rest
 
 
 def loading(optimizer, owner, state_dict):
@@ -277,10 +287,11 @@ def _check_rest(value, param, index, key):
             f"{kind}; masters load from dense tensors with data (as optimizer.state_dict() "
             "saves them)."
         )
-    if not (value.is_floating_point() or value.dtype in (torch.int8, torch.int16)):
+    if not (value.is_floating_point() or value.dtype in (torch.int8, torch.int16, torch.int32)):
         raise ValueError(
             f"optimizer.load_state_dict: the master weight ({key}) of parameter {index} is "
-            f"{value.dtype}: neither floating nor an int8 correction nor an int16 remainder."
+            f"{value.dtype}: neither floating nor an int8 correction nor an int16 remainder "
+            "(int32 in a sharded state dict)."
         )
     if key != MasterForm.KEYS[FP32] and param.dtype is not torch.bfloat16:
         raise ValueError(

@@ -19,13 +19,16 @@ FP32 values (rows.lend) carrying those gradients: what a clipping leaves on them
 uses. A step makes the state of the parameters stepped for the first time (zero moments, step 0:
 what torch's first step finds), only once it is known to be taken, and changes nothing where it
 refuses a group; a step skipped on the device changes no bit.
+
+Under FSDP2 (shards.py) the parameters, rests, moments and gradients are DTensors of each rank's
+shard: the kernels take their local shards (`sharded`), which they step elementwise.
 """
 
 import weakref
 
 import torch
 
-from .. import kernels
+from .. import distributed, kernels
 from .._state import amp_state
 from .columns import NONES, consume, repeat
 from .forms import check_entry
@@ -68,6 +71,8 @@ class StateOwner(Rows):
         self._handed_weak = {}
         self._handed_from = {}  # {row: the gradient its value's was made from}
         self.copies = {}  # {row: (the model's .grad amp placed as a copy, its version)}
+        # Some rows are DTensors (FSDP2's shards): the kernels take their local shards
+        self.sharded = False
 
     # -- the rows --------------------------------------------------------------------------------
 
@@ -75,13 +80,13 @@ class StateOwner(Rows):
         """A row for the cast parameter `param`: FP32 (initialize; it becomes its weight, amp's
         write), or low precision with its `rest` (one that joins from the frozen rows)."""
         with torch.no_grad():
+            grad, param.grad = param.grad, None  # its FP32 master gradient, made before the cast
+            if grad is not None:
+                grad = grad.detach().float()
             if rest is None:
                 low, rest = self.form.encode(param.detach().float())
-                param.data = low
-            if param.grad is not None:
-                grad, param.grad = param.grad.detach().float(), None
-            else:
-                grad = None
+                distributed.set_data(param, low)
+        self.sharded = self.sharded or distributed.has_dtensors((param,))
         self.rest_list.append(rest)
         row = self._add(param)
         if grad is not None:
@@ -148,7 +153,11 @@ class StateOwner(Rows):
             return
         params = [self.params[row] for row in rows]
         copies = [torch.empty_like(p) for p in params]
-        torch._foreach_copy_(copies, [self.grads[row] for row in rows])
+        grads = [self.grads[row] for row in rows]
+        if self.sharded:  # DTensors have no foreach copy: their local shards do
+            torch._foreach_copy_(distributed.shards(copies), distributed.shards(grads))
+        else:
+            torch._foreach_copy_(copies, grads)
         for row, param, copy in zip(rows, params, copies):
             param.grad = copy
             self.copies[row] = (copy, copy._version)
@@ -158,10 +167,11 @@ class StateOwner(Rows):
         model's copies of FP32 master gradients let go (a written one is the master gradient
         now)."""
         self.materialize()
+        written = {row for row in self.copies if self._copy_written(row)}
         copies, self.copies = self.copies, {}
-        for row, (copy, version) in copies.items():
+        for row in copies:
             param = self.params[row]
-            if param.grad is copy and copy._version == version:
+            if row not in written:
                 param.grad = None
             elif param.grad is not None:  # written since amp placed it: that is the gradient
                 self.grads[row], param.grad = param.grad.float(), None
@@ -174,7 +184,10 @@ class StateOwner(Rows):
             return
         fresh = [torch.empty_like(grad, dtype=torch.float32) for grad in kept.grads]
         scratch = torch.zeros((), dtype=torch.float32, device=kept.inv_scale.device)
-        kernels.unscale_to_(kept.grads, fresh, kept.inv_scale, scratch, check=False)
+        sources, destinations = kept.grads, fresh
+        if self.sharded:  # the kernels take FSDP2's local shards
+            sources, destinations = distributed.shards(sources), distributed.shards(fresh)
+        kernels.unscale_to_(sources, destinations, kept.inv_scale, scratch, check=False)
         grads = self.grads
         for row, grad in zip(kept.rows, fresh):
             grads[row] = grad
@@ -219,11 +232,21 @@ class StateOwner(Rows):
             model = params[row].grad
             if grad is None:
                 grads[row] = model
-            elif model is not None:
-                copy = self.copies.get(row)
-                if copy is None or model is not copy[0] or model._version != copy[1]:
-                    grads[row] = model
+            elif model is not None and self._copy_written(row):
+                grads[row] = model
         return grads
+
+    def _copy_written(self, row):
+        """Whether the row's model `.grad` is not the copy amp placed of its FP32 master gradient
+        as amp left it (another tensor, or the copy written)."""
+        model, copy = self.params[row].grad, self.copies.get(row)
+        if copy is None or model is not copy[0] or model._version != copy[1]:
+            return True
+        # A DTensor's in-place foreach ops (torch's clip_grad_norm_) bump no version counter,
+        # of the DTensor or of its shard: its values tell.
+        return self.sharded and not torch.equal(
+            distributed.local(model), distributed.local(self.grads[row]).to(model.dtype)
+        )
 
     def exited(self):
         """A scale_loss block exited: amp.master_params' values someone still holds carry the
@@ -245,6 +268,10 @@ class StateOwner(Rows):
             self._handed_weak[row] = weakref.ref(value)
             grad = self._handed_from[row] = sources[row]
             value.grad = None if grad is None else grad.float()
+            if self.sharded and value.grad is self.grads.get(row):
+                # its model copy is checked against it by value (_copy_written): a clipping
+                # through the value leaves it as it is
+                value.grad = value.grad.clone()
             values.append(value)
         return values
 

@@ -26,7 +26,7 @@ Python calls however many parameters the model has.
 
 import torch
 
-from .. import kernels
+from .. import distributed, kernels
 from ..casting.casts import LOW_PRECISION
 from .columns import MARKS, VERSION
 from .lent import LentValues
@@ -57,7 +57,7 @@ class MasterForm:
         if self.name == FP32:
             return fp32.to(self.dtype), fp32.detach().clone()
         encode = kernels.remainder_encode if self.name == REMAINDER else kernels.compact_encode
-        low, rest = encode(fp32)
+        low, rest = distributed.shardwise(encode, fp32)  # a DTensor's (FSDP2): shard by shard
         if not fp32.is_contiguous():
             low = torch.empty_like(fp32, dtype=low.dtype).copy_(low)
         return low, rest
@@ -65,16 +65,16 @@ class MasterForm:
     def decode(self, low, rest):
         """The FP32 value a weight and its rest hold (a new tensor but for FP32: the rest)."""
         if self.name == REMAINDER:
-            return kernels.remainder_decode(low, rest)
+            return distributed.shardwise(kernels.remainder_decode, low, rest)
         if self.name == CORRECTION:
-            return kernels.compact_decode(low, rest)
+            return distributed.shardwise(kernels.compact_decode, low, rest)
         return rest
 
     def empty_rest(self, low):
         """The rest of a weight that is its own value (a write from outside amp took its place)."""
         if self.name == FP32:
             return low.detach().float()
-        return torch.zeros(low.shape, dtype=self.rest_dtype, device=low.device)
+        return torch.zeros_like(low, dtype=self.rest_dtype, memory_format=torch.contiguous_format)
 
 
 class Rows:

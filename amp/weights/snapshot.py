@@ -9,12 +9,16 @@ parameter storage alive until initialize returns.
 
 import torch
 
+from ..distributed import set_data
+from . import shards
+
 __all__ = ["Snapshot", "OptimizerSnapshot"]
 
 
 class Snapshot:
     def __init__(self, models, optimizers):
         params = {}
+        self._models = models
         self._buffers = []
         for model in models:
             for module in model.modules():
@@ -34,11 +38,13 @@ class Snapshot:
     def restore(self):
         with torch.no_grad():
             for param, data, grad in self._params:
-                param.data = data  # first: a gradient must match its parameter's dtype
+                set_data(param, data)  # first: a gradient must match its parameter's dtype
                 param.grad = grad
         for buffers, saved in self._buffers:
             buffers.clear()
             buffers.update(saved)
+        for model in self._models:
+            shards.resync(model)
         for optimizer in self._optimizers:
             optimizer.restore()
 

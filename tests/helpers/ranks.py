@@ -18,8 +18,13 @@ def free_port():
 def run_two_ranks(script, *args, timeout=240):
     """Run `script` (with `args`) as ranks 0 and 1 of a gloo job; fail with a rank's log tail if
     either exits non-zero."""
+    run_ranks(script, *args, world=2, timeout=timeout)
+
+
+def run_ranks(script, *args, world, timeout=240):
+    """run_two_ranks for a gloo job of `world` ranks."""
     env = subprocess_env(
-        WORLD_SIZE="2",
+        WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
@@ -32,7 +37,7 @@ def run_two_ranks(script, *args, timeout=240):
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in range(world)
     ]
     logs = [process.communicate(timeout=timeout)[0] for process in processes]
     for process, log in zip(processes, logs):

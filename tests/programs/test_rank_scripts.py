@@ -16,10 +16,12 @@ RANK_SCRIPTS = [
     "tests/helpers/ddp_masters_rank.py",
     "tests/helpers/distributed_scenarios.py",
     "tests/helpers/float8_ranks.py",
+    "tests/helpers/fsdp2_ranks.py",
     "tests/helpers/origin_ddp_rank.py",
     "tests/lightning/lightning_ddp_rank.py",
     "examples/ddp.py",
     "examples/fsdp2.py",
+    "benchmarks/fsdp2_memory.py",
 ]
 # What makes a script a rank: a process group of its own, or Lightning's DDP across processes.
 _RANK_MARKS = ("init_process_group(", "init_distributed(", 'strategy="ddp"')

@@ -1,7 +1,8 @@
 """The distributed engines (amp/weights/engines.py) with two real gloo processes: DDP (no_sync
-accumulation with delay_unscale), FSDP2, FSDP1 and ZeroRedundancyOptimizer, at O1, O2 (refused
-with FSDP), O3 (DDP and ZeRO) and with amp.GradScaler; ZeRO stepping O2's masters in one process;
-parameters a late wrapper replaced or moved.
+accumulation with delay_unscale), FSDP2, FSDP1 and ZeroRedundancyOptimizer, at O1, O2 (DDP and
+ZeRO here; refused with FSDP1; FSDP2's: test_fsdp2.py), O3 (DDP and ZeRO) and with
+amp.GradScaler; ZeRO stepping O2's masters in one process; parameters a late wrapper replaced or
+moved.
 
 One pair of processes runs every scenario (tests/helpers/distributed_scenarios.py); rank 1 alone
 injects an inf into its gradient (its own shard under FSDP) at one step. Both ranks must skip that
