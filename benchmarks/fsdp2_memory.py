@@ -63,7 +63,7 @@ class SmallLM(torch.nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x).flatten(0, 1))  # 2-D: a new tensor, not a view (FSDP2 warns)
 
 
 def build(recipe, width, layers):
@@ -84,7 +84,7 @@ def build(recipe, width, layers):
         )
 
     def step(tokens):
-        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+        loss = F.cross_entropy(model(tokens).float(), tokens.flatten())
         if options is None:
             loss.backward()
         else:
@@ -132,7 +132,7 @@ def live_storages():
     gc.collect()
     found = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        if issubclass(type(obj), torch.Tensor):  # not isinstance: torch's reduce_op warns
             storage = getattr(obj, "_local_tensor", obj).untyped_storage()
             if storage.data_ptr():
                 found[storage.data_ptr()] = storage.nbytes()

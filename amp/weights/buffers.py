@@ -18,18 +18,19 @@ import sys
 import torch
 
 from ..casting.casts import LOW_PRECISION
+from .columns import address
 
 __all__ = ["Pairs", "BufferTable", "held_exactly"]
 
 _VERSION = operator.attrgetter("_version")
 _SHAPE = operator.attrgetter("shape")
-_DATA = torch.Tensor.data_ptr
+_DATA = address  # where the low side's data lies (columns.ADDRESS)
 
 
 class Pairs:
     """Pairs of a low-precision tensor as the model holds it (`models`) and its FP32 value, the
     one that wins (`masters`), with the marks of amp's last write: both sides' version counters,
-    the low side's data pointer and shape. A write into the FP32 value reaches the low-precision
+    the low side's address and shape. A write into the FP32 value reaches the low-precision
     tensor; a write into the low-precision tensor is taken into the FP32 value where it changed
     the low-precision value; the FP32 side wins a conflict."""
 

@@ -29,6 +29,7 @@ import torch
 
 from ..distributed import dtensor_class
 from .columns import NONES as _NONES
+from .columns import address
 
 __all__ = ["LentValues"]
 
@@ -54,7 +55,7 @@ class LentValues:
     def __init__(self):
         self.keys, self.refs, self.versions = [], [], []
         self.strong = {}  # index -> the tensor, held until its writes are taken
-        self.seen = []  # the parameter's (version, data pointer) when its value was lent
+        self.seen = []  # the parameter's (version, address) when its value was lent
         self.position = {}  # key -> its index in the lists
         self.sharded = False  # some are DTensors: their shards' counters are read
 
@@ -65,7 +66,7 @@ class LentValues:
         these lists."""
         index = self.position.get(key)
         value = None if index is None else self.refs[index]()
-        mark = (param._version, param.data_ptr())
+        mark = (param._version, address(param))
         unwritten = value is not None and _version(value) == self.versions[index]
         if unwritten and self.seen[index] != mark:
             value = None  # made before a write from outside amp, and not written since
@@ -136,4 +137,4 @@ class LentValues:
                     continue
                 value.copy_(value_of(row))
                 self.versions[index] = _version(value)
-                self.seen[index] = (params[row]._version, params[row].data_ptr())
+                self.seen[index] = (params[row]._version, address(params[row]))

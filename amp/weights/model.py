@@ -220,7 +220,8 @@ def _flatten_rnns(model):
 
 
 def cast_forward(model, input_dtype, output_dtype, ledger):
-    """Cast floating inputs of `model(...)` to `input_dtype` (None: leave) and outputs to `output_dtype`."""
+    """Cast floating inputs of `model(...)` to `input_dtype` (None: leave) and outputs to
+    `output_dtype`."""
     if input_dtype is not None:
         # Appended last so it runs just before forward: the user's pre-hooks see their inputs.
         handle = model.register_forward_pre_hook(CastInputs(input_dtype), with_kwargs=True)

@@ -201,7 +201,8 @@ def loading(optimizer, owner, state_dict):
         entry = dict(entry)
         if key is not None:
             entry[key] = entry[key].to(_rest_dtype(key))
-        new = form.from_torch(entry, param, in_form, low=param.detach() if row is not None else None)
+        low = param.detach() if row is not None else None
+        new = form.from_torch(entry, param, in_form, low=low)
         rest = new.pop(form.master.key, None)  # the owner holds it; none: it stays as it is
         if row is not None and rest is not None:
             rests.append((row, rest))

@@ -11,13 +11,13 @@ correction ("correction": compact).
 Reading a row (`value`, `lend`) never writes: a step hook, a state dict taken in another thread,
 `amp.master_params` change no bit. Writes from outside amp (a `param.copy_`, a pruning mask, new
 data by `param.data = ...`, a write into a lent FP32 value) are seen by the marks: both sides'
-version counters, the parameter's data pointer and shape. The training thread takes them in at
-its next step, forward, load or undo (`take_writes`): a written FP32 side wins; a parameter
-written in place is the value where it changed (an FP32 master keeps the elements it did not
-change; a remainder or correction, which cannot tell, is dropped: the written weight is the
-value); new data with the version unchanged (the model moved to another device or layout, or an
-assignment to `.data`) keeps its rest, which follows it to its device with the optimizer's state
-of it. Writes through `param.data` in place bump no version counter: they are not seen.
+version counters, the parameter's address (storage and offset) and shape. The training thread
+takes them in at its next step, forward, load or undo (`take_writes`): a written FP32 side wins;
+a parameter written in place is the value where it changed (an FP32 master keeps the elements it
+did not change; a remainder or correction, which cannot tell, is dropped: the written weight is
+the value); new data with the version unchanged (the model moved to another device or layout, or
+an assignment to `.data`) keeps its rest, which follows it to its device with the optimizer's
+state of it. Writes through `param.data` in place bump no version counter: they are not seen.
 
 Marks and reads go over whole lists at C level (`map`), so that a step costs a constant number of
 Python calls however many parameters the model has.
