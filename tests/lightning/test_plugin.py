@@ -489,14 +489,14 @@ def test_two_optimizers_over_the_same_parameters_at_o1():
 
 
 def test_what_amp_refuses_is_refused_with_amps_message(one_rank_group):
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = Regressor()
-    fully_shard(model.net)
+    fully_shard(model.net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     model._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"), strategy=None)
     optimizer = torch.optim.AdamW(model.parameters())
-    plugin = AmpPrecision("O2", torch.bfloat16, verbosity=0)
-    with pytest.raises(RuntimeError, match=r"sharded by fully_shard \(FSDP2\)"):
+    plugin = AmpPrecision("O2", torch.bfloat16, verbosity=0)  # FSDP2 would cast to fp16 again
+    with pytest.raises(RuntimeError, match=r"computes in torch.float16 .* two casts"):
         plugin.connect(model, [optimizer], [])
     assert plugin.state_dict() == {}
     plugin.teardown()  # what the Trainer does after a failed set-up: nothing to undo
