@@ -165,7 +165,7 @@ def initialize(
             other amp call a no-op.
         opt_level (str, default="O1"): "O0", "O1", "O2" or "O3" (the letter O).
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
-            overrides of the opt level's properties (see README's table). ``master_weights=
+            overrides of the opt level's properties (see docs/opt-levels.md). ``master_weights=
             "compact"`` (O2, bf16): each master is the bf16 weight and an 8-bit correction, no
             FP32 copy, stepped by amp's fused step (torch.optim.AdamW, Adam and SGD).
         cast_model_outputs (torch.dtype, optional): the dtype O0/O2/O3 models return (FP32).

@@ -1,9 +1,9 @@
 """The ops amp patches at O1 and why: where its tables decide otherwise than torch's autocast on a
-device type (lists/agreement.py), grouped by the reason, as README shows them.
+device type (lists/agreement.py), grouped by the reason, as docs/opt-levels.md shows them.
 
-    python -m amp.casting.patch_report     # the README section, regenerated
+    python -m amp.casting.patch_report     # that table, regenerated
 
-tests/casting/test_patch_report.py keeps README's copy equal to `markdown()`.
+tests/casting/test_patch_report.py keeps docs/opt-levels.md's copy equal to `markdown()`.
 """
 
 from ..lists import agreement
@@ -37,7 +37,7 @@ def rows():
 
 
 def markdown():
-    """README's table of the ops amp patches at O1."""
+    """The table of the ops amp patches at O1 (docs/opt-levels.md)."""
     lines = [
         "| amp's table | " + " | ".join(_NAMES[d] for d in _DEVICES) + " | ops |",
         "|---|" + "---|" * len(_DEVICES) + "---|",

@@ -1,5 +1,5 @@
 """The report of the ops amp patches at O1 (amp/casting/patch_report.py): it names exactly what O1
-patches, and README holds its current text."""
+patches, and docs/opt-levels.md holds its current text."""
 
 import torch
 
@@ -32,8 +32,8 @@ def test_the_report_names_exactly_what_o1_patches():
     assert "torch.nn.functional.linear" not in patched and "torch.matmul" not in patched
 
 
-def test_readme_shows_the_current_report():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_the_current_report():
+    page = (ROOT / "docs" / "opt-levels.md").read_text()
     begin, end = "<!-- o1-patches:begin -->\n", "\n<!-- o1-patches:end -->"
-    shown = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    shown = page[page.index(begin) + len(begin) : page.index(end)]
     assert shown == patch_report.markdown(), "regenerate: python -m amp.casting.patch_report"

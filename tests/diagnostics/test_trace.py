@@ -63,11 +63,11 @@ def test_trace_of_a_training_step_shows_only_the_models_ops(opt_level):
         amp.deinitialize()
 
 
-def test_the_readme_trace_example_prints_what_the_readme_shows(capsys):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Seeing what runs in which precision", 1)[1]
+def test_the_docs_trace_example_prints_what_the_docs_show(capsys):
+    page = (ROOT / "docs" / "diagnostics.md").read_text()
+    section = page.split("## Seeing what runs in which precision", 1)[1]
     code, rest = section.split("```python\n", 1)[1].split("```\n", 1)
     shown = rest.split("```\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/diagnostics.md", "exec"), {})
     amp.deinitialize()
     assert capsys.readouterr().out == shown

@@ -115,7 +115,7 @@ def one_step(model, optimizer, scaler=None):
 
 
 def build(engine, mode):
-    """(model to call, optimizer, scaler or None) set up in the order README gives."""
+    """(model to call, optimizer, scaler or None) set up in the order docs/distributed.md gives."""
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -39,7 +39,7 @@ def _full(tensor):
 
 
 def build(engine, mode):
-    """(model to call, optimizer, scaler or None), in the order README gives."""
+    """(model to call, optimizer, scaler or None), in the order docs/distributed.md gives."""
     model = make_model()
     if engine == "ddp":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

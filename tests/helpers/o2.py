@@ -13,7 +13,7 @@ from helpers.models import make_model, make_stack
 
 def general_path(general=True):
     """amp.initialize inside it sets O2 up without amp's fused master step, so that every step is
-    the optimizer's own (AMP_FUSED_STEP=0, README); general=False changes nothing."""
+    the optimizer's own (AMP_FUSED_STEP=0, docs/o2.md); general=False changes nothing."""
     return unittest.mock.patch.dict(os.environ, {"AMP_FUSED_STEP": "0"} if general else {})
 
 

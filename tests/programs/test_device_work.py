@@ -164,7 +164,7 @@ def test_amp_o2_after_backward_is_no_more_work_than_the_hand_written_fused_o2(na
     a hand-written O2 with torch's fused AdamW (batch norm's FP32 parameters stepped in the
     masters' call: resnet50-tiny). The one: a non-finite loss whose gradients are finite skips
     amp's step (its flag joins the gradients' in one scalar op; GradScaler steps it). A bf16 model's exact masters (int16 remainders) are decoded and encoded
-    around torch's fused op on this backend: more passes for 2 bytes a parameter less (README);
+    around torch's fused op on this backend: more passes for 2 bytes a parameter less (docs/o2.md);
     one kernel with CuPy (tests/kernels/test_compact_kernels.py counts its bytes)."""
     workload = workloads.END_TO_END[name]
     ours = device_work.step_work(workload, "amp O2", torch.float16, optimizer)

@@ -316,7 +316,7 @@ def test_construction_and_update_arguments():
 def test_default_scaler_works_on_cpu_where_torchs_disables_itself():
     with pytest.warns(UserWarning, match="CUDA is not available"):
         assert not torch.amp.GradScaler().is_enabled()
-    assert torch.amp.GradScaler("cpu").is_enabled()  # named, torch's works on CPU (README)
+    assert torch.amp.GradScaler("cpu").is_enabled()  # named: docs/differences-and-limits.md
     scaler = amp.GradScaler()
     assert scaler.is_enabled() and scaler.scale(torch.ones(())).item() == 65536.0
 

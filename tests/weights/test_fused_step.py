@@ -285,7 +285,7 @@ def _stepped(model, cls, options, general, steps=3):
 
 @pytest.mark.usefixtures("deinitialized")
 def test_o2_sgd_with_momentum_is_within_an_ulp_of_the_default_for_loop_sgd(one_thread):
-    """The contract (README, kernels.sgd_step_): bit for bit torch's fused SGD
+    """The contract (docs/o2.md, kernels.sgd_step_): bit for bit torch's fused SGD
     (tests/weights/test_fused_step.py), within an ulp of its for-loop / foreach SGD, whose
     rounding differs from the fused op's scalar loop over a tensor's tail (three fused steps
     after the first; make_model's biases of 8 and 2 elements go through that loop)."""
