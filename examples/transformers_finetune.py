@@ -120,11 +120,19 @@ def run(args, data, output_dir, seed=0, resume=None):
             "opt_level": args.opt_level,
             "dtype": getattr(torch, args.dtype),
             "verbosity": 0,
+            **compact_options(args),
         },
     )
     trainer.remove_callback(PrinterCallback)  # the table below shows the log
     trainer.train(resume_from_checkpoint=resume)
     return trainer, watch
+
+
+def compact_options(args):
+    """--compact: bf16 weights with 8-bit corrections for masters, AdamW's moments in 8 bits."""
+    if not args.compact:
+        return {}
+    return {"master_weights": "compact", "optimizer_state": "int8"}
 
 
 def print_log(trainer):
@@ -155,11 +163,20 @@ def main(argv=None):
     parser.add_argument(
         "--overflow-step", type=int, default=-1, help="step with an inf gradient (-1: none)"
     )
+    parser.add_argument(
+        "--compact",
+        action="store_true",
+        help="O2 bf16 with compact masters and 8-bit AdamW moments (master_weights='compact', "
+        "optimizer_state='int8')",
+    )
     args = parser.parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     data = load_rows(args.length, args.rows, held_out_rows=16)
-    options = f'{{"opt_level": "{args.opt_level}", "dtype": torch.{args.dtype}, "verbosity": 0}}'
+    extra = "".join(f', "{key}": "{value}"' for key, value in compact_options(args).items())
+    options = (
+        f'{{"opt_level": "{args.opt_level}", "dtype": torch.{args.dtype}, "verbosity": 0{extra}}}'
+    )
     steps = math.ceil(args.rows / args.batch)
     with tempfile.TemporaryDirectory() as folder:
         trainer, watch = run(args, data, os.path.join(folder, "run"))
