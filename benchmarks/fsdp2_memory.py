@@ -25,6 +25,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
@@ -127,12 +129,17 @@ def by_kind(model, optimizer):
     return found
 
 
+# Tensors without memory of their own that another program in the process may have left alive.
+_NO_MEMORY = (FakeTensor, FunctionalTensor)
+
+
 def live_storages():
     """{data pointer: bytes} of every storage of a tensor Python can reach."""
     gc.collect()
     found = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor):  # not isinstance: torch's reduce_op warns
+        kind = type(obj)  # not isinstance: torch's reduce_op object warns
+        if issubclass(kind, torch.Tensor) and not issubclass(kind, _NO_MEMORY):
             storage = getattr(obj, "_local_tensor", obj).untyped_storage()
             if storage.data_ptr():
                 found[storage.data_ptr()] = storage.nbytes()
