@@ -32,7 +32,7 @@ amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, co
     long long first, n;
     amp::chunk_range(meta, t, c, chunk, first, n);
     if (t != scalars_of) {
-      const float step = *reinterpret_cast<const float*>(meta.ptr[7][t]) + 1.0f;
+      const float step = amp::add_rn(*reinterpret_cast<const float*>(meta.ptr[7][t]), 1.0f);
       s = amp::adam_scalars(lr, beta1, beta2, eps, weight_decay, step);
       salt = amp::dither_salt(static_cast<unsigned int>(step));
       scalars_of = t;

@@ -479,6 +479,8 @@ def test_ptx_has_no_flushing_arithmetic_even_with_ftz(tmp_path):
     text = ptx.read_text()
     for op in ("mul", "add", "sub", "div", "sqrt", "fma"):  # the fused steps' arithmetic too
         assert f"{op}.rn.f32" in text and f"{op}.rn.ftz.f32" not in text, op
+        # nor the compiler's own (a * b: mul.ftz.f32), which the 8-bit codes' fast paths once took
+        assert f"\t{op}.ftz.f32" not in text, op
     assert ".local" not in text  # the Meta struct is read from parameter space, never copied
 
 
