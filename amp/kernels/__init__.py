@@ -237,6 +237,7 @@ def adam_step_(
     scales=None,
     inv_scale=None,
     found_inf=None,
+    starts=None,
 ):
     """One step of torch.optim.AdamW (`options.decoupled`) or Adam, fused, on parallel lists of
     one device: the gradients (any float dtype) times `inv_scale` (if given) step each row's
@@ -262,14 +263,32 @@ def adam_step_(
     differently and differ from it by a few ulps of the update. The bias corrections are
     computed in double per tensor, as torch does. The 8-bit and bf16 encodings are
     `moment_encode`'s and stochastic rounding's (_codecs.py), the same on both backends.
+
+    A row may be a shard of a tensor (FSDP2's): `starts[i]` is its first element in the
+    flattened whole (None: every row a whole tensor), so that the second moment's stochastic
+    rounding, drawn by the element's index, is the whole tensor's; a row of 8-bit codes starts at
+    a block (a multiple of 32), where its blocks are the whole tensor's.
     """
     if grads:
         if lows is None:
             lows = [None] * len(grads)
+        if starts is not None:
+            _check_starts(starts, exp_avg_sqs)
+            if not any(starts):
+                starts = None
         _backend(grads[0].device).adam_step_(
             grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf,
-            options,
+            options, starts,
         )
+
+
+def _check_starts(starts, exp_avg_sqs):
+    for index, (start, moment) in enumerate(zip(starts, exp_avg_sqs)):
+        if start % _codecs.BLOCK and moment.dtype is torch.uint8:
+            raise ValueError(
+                f"row {index} starts at element {start} of its tensor, inside a block of "
+                f"{_codecs.BLOCK}: its 8-bit codes' blocks would not be the whole tensor's"
+            )
 
 
 def sgd_step_(
