@@ -39,6 +39,7 @@ __all__ = [
     "moment_encode",
     "moment_decode",
     "moment_scales",
+    "MOMENT_BLOCK",
     "fuses",
     "cuda_backend",
     "BackendChoice",
@@ -345,6 +346,9 @@ def moment_encode(values, signed):
     _codecs.BLOCK elements). `signed`: int8 softsign codes (Adam's first moment, SGD's momentum);
     else uint8 codes of the square roots of non-negative values (Adam's second moment)."""
     return (_codecs.signed_encode if signed else _codecs.unsigned_encode)(values)
+
+
+MOMENT_BLOCK = _codecs.BLOCK  # the elements of an 8-bit moment's block (one scale each)
 
 
 def moment_scales(numel):

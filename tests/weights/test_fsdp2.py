@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import amp
+from amp.weights import forms
 from helpers import ROOT, TESTS
 from helpers import fsdp2_ranks as helper
 from helpers.ranks import run_ranks
@@ -160,12 +161,17 @@ def test_one_rank_sharded_trains_as_unsharded_and_resumes_bit_for_bit(form, tmp_
 def test_the_memory_benchmark_counts_what_each_recipe_holds():
     """benchmarks/fsdp2_memory.py's bytes a parameter between steps, one rank: FSDP2's FP32
     shards and FP32 moments, amp's bf16 shards with 2-byte remainders or 1-byte corrections,
-    8-bit moments with a scale per 32; nothing gathered, no gradient."""
+    8-bit moments with a scale per 32 where rows are whole blocks (FP32 ones elsewhere: the
+    biases and norms); nothing gathered, no gradient."""
+    params = list(fsdp2_memory.SmallLM(32, 1).parameters())
+    coded = sum(p.numel() for p in params if forms.coded(p))
+    total = sum(p.numel() for p in params)
+    int8 = (coded * (2 + 2 * 4 / 32) + (total - coded) * 8) / total
     expected = {
         "FSDP2 mixed precision": (4, 0, 8),
         "amp O2 exact": (2, 2, 8),
         "amp O2 compact": (2, 1, 8),
-        "amp O2 compact + int8": (2, 1, 2 + 2 * 4 / 32),
+        "amp O2 compact + int8": (2, 1, int8),
     }
     for recipe, (weights, rests, state) in expected.items():
         row = fsdp2_memory.measure(recipe, width=32, layers=1)

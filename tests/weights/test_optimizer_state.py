@@ -271,12 +271,12 @@ def test_moments_of_another_size_than_their_parameters_are_refused_changing_noth
 
 def _initialized_and_stepped(form):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 44), torch.nn.ReLU(), torch.nn.Linear(44, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 44), torch.nn.ReLU(), torch.nn.Linear(44, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optimizer = amp.initialize(
         model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form
     )
-    with amp.scale_loss(model(torch.randn(4, 8)).float().square().mean(), optimizer) as scaled:
+    with amp.scale_loss(model(torch.randn(4, 32)).float().square().mean(), optimizer) as scaled:
         scaled.backward()
     optimizer.step()
     return optimizer
