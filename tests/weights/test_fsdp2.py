@@ -157,6 +157,36 @@ def test_one_rank_sharded_trains_as_unsharded_and_resumes_bit_for_bit(form, tmp_
         amp.deinitialize()
 
 
+def test_two_ranks_hold_the_replicated_tensors_rows_of_8_bit_and_bf16_moments_bit_for_bit(
+    tmp_path,
+):
+    """Each rank of two (torch's fake process group: given its shards of the gradients) holds,
+    after three steps, the rows of what the same model replicated holds: weights, masters'
+    rests, bf16 or 8-bit moments and their scales, bit for bit, at shards that start inside a
+    tensor (a [100, 48] weight at element 2400, a bias of 100 at 50, a [64, 64] one with codes
+    at 2048). Under "int8" only the [64, 64] weight holds codes (its rows are whole blocks); the
+    others FP32 moments, equal but where torch's CPU op steps a shard's or the whole's last
+    elements in its scalar loop (without the vector body's fused multiply-adds; the CUDA
+    kernels have none): the bias's rank 0 elements 48 and 49, rank 1's 46 to 49."""
+    run_ranks(TESTS / "helpers" / "fsdp2_fake_ranks.py", tmp_path, world=2, timeout=120)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"fake-rank{rank}.pt", weights_only=False)
+        for form, (sharded, replicated) in results.items():
+            assert sorted(sharded) == sorted(replicated), form
+            held = {key.split(" ", 1)[1] for key in sharded}
+            moments = {"exp_avg_bf16"} if form == "compact-bf16" else {"exp_avg_codes"}
+            assert moments <= held, form
+            for key, value in sharded.items():
+                expected = replicated[key]
+                assert value.dtype == expected.dtype and value.shape == expected.shape, key
+                if value.dtype is torch.float32 and key.startswith("1 exp_avg"):
+                    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+                    tail = slice(48, 50) if rank == 0 else slice(46, 50)
+                    value, expected = value[: tail.start], expected[: tail.start]
+                bits = [t.view(torch.uint8) if t.dim() else t for t in (value, expected)]
+                assert torch.equal(*bits), (rank, form, key)
+
+
 @pytest.mark.usefixtures("one_rank_group")
 def test_the_memory_benchmark_counts_what_each_recipe_holds():
     """benchmarks/fsdp2_memory.py's bytes a parameter between steps, one rank: FSDP2's FP32
