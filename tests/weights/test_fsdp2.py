@@ -1,16 +1,17 @@
 """O2 under FSDP2 (amp/weights/shards.py): `fully_shard`, then the optimizer, then
 amp.initialize(opt_level="O2") trains each rank's shards with exact, compact (bf16) or FP32
-(fp16) masters, FP32 moments.
+(fp16) masters, FP32, bf16 or 8-bit moments.
 
 In one process (a gloo group of one rank): what amp refuses, changing nothing; one rank sharded
-training bit for bit as no sharding (8-bit moments too) and resuming from a distributed
-checkpoint bit for bit; deinitialize giving FSDP2 its FP32 shards back; what the memory
-benchmark counts. With real gloo jobs (tests/helpers/fsdp2_ranks.py, run once for the module:
-one rank, two ranks, one rank; marked slow, as the other multi-process jobs): ranks that agree
-on a skip rank 1 alone saw, each rank holding its shards only, clipping that takes the global
-norm, a resume bit for bit with an uninterrupted run, checkpoints loaded at another world size
-(2 -> 1, 1 -> 2) bit for bit, two ranks training as one process, and 8-bit moments over two
-ranks refused.
+training bit for bit as no sharding (8-bit and bf16 moments too) and resuming from a
+distributed checkpoint bit for bit; deinitialize giving FSDP2 its FP32 shards back; what the
+memory benchmark counts. Two ranks of torch's fake process group (a process each): each rank's
+bf16 and 8-bit moments the rows of the replicated ones, bit for bit. With real gloo jobs
+(tests/helpers/fsdp2_ranks.py, run once for the module: one rank, two ranks, one rank; marked
+slow, as the other multi-process jobs): ranks that agree on a skip rank 1 alone saw, each rank
+holding its shards only, clipping that takes the global norm, a resume bit for bit with an
+uninterrupted run, checkpoints loaded at another world size (2 -> 1, 1 -> 2) bit for bit, two
+ranks training as one process, and 8-bit or bf16 moments of weights sharded along dim 1 refused.
 """
 
 import math
@@ -29,7 +30,7 @@ from helpers.ranks import run_ranks
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fsdp2_memory  # noqa: E402
 
-TWO_RANK_FORMS = [form for form in helper.FORMS if form not in helper.ONE_RANK_FORMS]
+TWO_RANK_FORMS = list(helper.FORMS)
 # Two ranks against one: the same global batches, but each rank's gradients summed apart and
 # averaged by FSDP2's reduce-scatter (in FP32 for exact masters, else in the model's dtype), so
 # they round differently: AdamW's steps of lr 1e-2 land within a few bf16 ulps.
@@ -272,12 +273,14 @@ def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_each_rank_holds_its_shards_only(jobs, form):
     """Between steps each rank holds its share of the weights, the masters' rests and the
-    moments; together, every element once."""
+    moments (in any form: a moment's bf16 values or 8-bit codes); together, every element
+    once."""
     rank0, rank1 = _result(jobs, "two", form)
     total = sum(value.numel() for value in rank0["end"]["model"].values())
     for kind in ("weight", "rest", "exp_avg", "exp_avg_sq"):
+        names = (kind, f"{kind}_bf16", f"{kind}_codes")
         held = [
-            sum(v.numel() for k, v in rank["end local"].items() if k.split()[0] == kind)
+            sum(v.numel() for k, v in rank["end local"].items() if k.split()[0] in names)
             for rank in (rank0, rank1)
         ]
         assert sum(held) == total and 0 < held[1] <= held[0] < total, kind
@@ -336,11 +339,13 @@ def test_two_ranks_train_the_global_batches_as_one_process(jobs, form):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", helper.ONE_RANK_FORMS)
-def test_8_bit_moments_over_two_ranks_are_refused_changing_nothing(jobs, form):
+@pytest.mark.parametrize("form", helper.MOMENT_FORMS)
+def test_8_bit_and_bf16_moments_of_weights_sharded_along_dim_1_are_refused_changing_nothing(
+    jobs, form
+):
     for rank in _result(jobs, "two", form):
-        message = rank["error"]
+        message = rank["dim 1"]["error"]
         assert message is not None, "trained without an error"
-        assert "'0.weight' is split between ranks" in message
-        assert "optimizer_state='fp32'" in message and "global offset" in message
-        assert rank["unchanged"]
+        assert "'0.weight' is split along dim 1 (fully_shard's shard_placement_fn)" in message
+        assert "Shard it along dim 0" in message and "optimizer_state='fp32'" in message
+        assert rank["dim 1"]["unchanged"]
