@@ -5,8 +5,10 @@
 - Sharded gradients (FSDP2's DTensors, FSDP1's flat parameters) are unscaled and checked through
   their local shards, and overflow reports name the original parameters across all shards.
 - O2 under FSDP2 steps DTensor parameters through their local shards (`shards`), runs amp's
-  elementwise codecs shard by shard (`shardwise`: the same bits sharded or not) and swaps a
-  DTensor parameter's data where `.data =` cannot (`set_data`).
+  elementwise codecs shard by shard (`shardwise`: the same bits sharded or not), finds where a
+  shard starts in its whole tensor (`shard_start`: the stochastic rounding's index), lays out
+  an 8-bit moment's scales as their parameter's shards (`laid_out`) and swaps a DTensor
+  parameter's data where `.data =` cannot (`set_data`).
 
 What amp refuses or follows of the engines themselves lives in weights/engines.py.
 """

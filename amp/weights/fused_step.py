@@ -281,7 +281,8 @@ def _launch(owner, call, made, found_inf, fp32_rests=None):
         moments = [None if m is None else shards(m) for m in moments]
         scales = None if scales is None else list(map(shards, scales))
         if owner.state_form.moments != "fp32":  # rounded by the elements' places in the whole
-            starts = list(map(shard_start, params))
+            # (None: split along another dim, which shards.check allows FP32 moments only)
+            starts = [start or 0 for start in map(shard_start, params)]
     if scales is not None:  # an 8-bit moment's scales are laid out as its rows: read flat
         scales = [list(map(_FLAT, column)) for column in scales]
     if owner.kind == "adam":

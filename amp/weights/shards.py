@@ -30,7 +30,7 @@ import sys
 import torch
 
 from ..distributed import dtensor_class, shard_start
-from . import paths
+from . import forms, paths
 
 __all__ = ["FSDP2", "check", "check_groups", "resync"]
 
@@ -94,8 +94,9 @@ def check(model, index, optimizers, properties):
                     + _ROUTE
                 )
         moments = properties.optimizer_state
-        across = next((p for p in params if _split(p) and shard_start(p) is None), None)
-        if moments != "fp32" and across is not None:
+        placed = moments in ("bf16", "int8")  # moments that may depend on an element's place
+        across = next((p for p in params if _across(p, moments)), None) if placed else None
+        if across is not None:
             name = next(n for n, p in model.named_parameters() if p is across)
             dims = sorted({p.dim for p in across.placements if p.is_shard()})
             raise RuntimeError(
@@ -107,6 +108,15 @@ def check(model, index, optimizers, properties):
                 + " Shard it along dim 0 (FSDP2's default), or use optimizer_state='fp32'. "
                 + _ROUTE
             )
+
+
+def _across(param, moments):
+    """Whether `param`'s moments under `moments` depend on its elements' places in the whole
+    tensor (bf16 ones; 8-bit codes, where it holds them) and it is split along another dim than
+    0 (its shards hold no runs of the whole's elements)."""
+    if moments == "int8" and not forms.coded(param):
+        return False  # FP32 moments: elementwise
+    return _split(param) and shard_start(param) is None
 
 
 _MOMENTS = {
