@@ -5,8 +5,10 @@
 - Sharded gradients (FSDP2's DTensors, FSDP1's flat parameters) are unscaled and checked through
   their local shards, and overflow reports name the original parameters across all shards.
 - O2 under FSDP2 steps DTensor parameters through their local shards (`shards`), runs amp's
-  elementwise codecs shard by shard (`shardwise`: the same bits sharded or not) and swaps a
-  DTensor parameter's data where `.data =` cannot (`set_data`).
+  elementwise codecs shard by shard (`shardwise`: the same bits sharded or not), finds where a
+  shard starts in its whole tensor (`shard_start`: the stochastic rounding's index), lays out
+  an 8-bit moment's scales as their parameter's shards (`laid_out`) and swaps a DTensor
+  parameter's data where `.data =` cannot (`set_data`).
 
 What amp refuses or follows of the engines themselves lives in weights/engines.py.
 """
@@ -28,6 +30,8 @@ __all__ = [
     "local_tensors",
     "shards",
     "shardwise",
+    "shard_start",
+    "laid_out",
     "set_data",
     "has_dtensors",
     "clean_name",
@@ -118,6 +122,19 @@ def _like(local, dtensor):
     )
 
 
+def laid_out(local, like, shape):
+    """`local` as the shard of a contiguous DTensor of global `shape` placed as `like` (its
+    mesh and placements: an 8-bit moment's scales, by the rows of their parameter); `local` as
+    it is where `like` is no DTensor."""
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(like, dtensor):
+        return local
+    stride = torch.empty(shape, device="meta").stride()
+    return dtensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=shape, stride=stride
+    )
+
+
 def shardwise(function, *args):
     """`function(*args)` for a `function` of tensors elementwise (amp's codecs: the same bits
     sharded or not), run on the local shards where the first argument is a DTensor: its results
@@ -132,6 +149,29 @@ def shardwise(function, *args):
     parts = result if isinstance(result, tuple) else (result,)
     parts = tuple(_like(part, first) if part.shape == shape else part for part in parts)
     return parts if isinstance(result, tuple) else parts[0]
+
+
+def shard_start(tensor):
+    """The element of its flattened whole at which a DTensor's local shard starts (0 for any
+    other tensor and for one no mesh dimension splits), or None where a mesh dimension splits it
+    along another dim than 0 (its elements are no run of the whole's). Shard(0) splits as
+    torch.chunk does (FSDP2's shards): ceil(rows / ranks) rows each, the last ones fewer or none.
+    """
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(tensor, dtensor) or tensor.dim() == 0:
+        return 0
+    mesh, rows = tensor.device_mesh, tensor.shape[0]
+    first, count = 0, rows  # the rows of the whole the placements so far leave this rank
+    for dim, placement in enumerate(tensor.placements):
+        ranks = mesh.size(dim)
+        if not placement.is_shard() or ranks == 1:
+            continue
+        if placement.dim % tensor.dim() != 0:
+            return None
+        chunk = -(-count // ranks)
+        skipped = min(mesh.get_coordinate()[dim] * chunk, count)
+        first, count = first + skipped, min(chunk, count - skipped)
+    return first * (tensor.numel() // rows) if rows else 0
 
 
 def set_data(param, data):

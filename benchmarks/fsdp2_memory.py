@@ -1,11 +1,10 @@
 """Per-rank memory of O2 under FSDP2: bytes a parameter of a rank's share (the model's parameters
 over the world size) held between steps, on each rank, for FSDP2's own mixed precision and amp O2
-with exact masters, compact masters, and compact masters with 8-bit moments (refused where a
-parameter is split between ranks: amp/weights/shards.py); a small transformer with a head of
-100, AdamW, bf16, CPU with gloo.
+with exact masters, compact masters, and compact masters with 8-bit moments (held by the weights
+whose rows are whole blocks of 32; the biases and norms keep FP32 moments: amp/weights/forms.py);
+a small transformer with a head of 100, AdamW, bf16, CPU with gloo.
 
     torchrun --nproc_per_node=2 benchmarks/fsdp2_memory.py
-    torchrun --nproc_per_node=1 benchmarks/fsdp2_memory.py    # one rank: compact + int8 too
 
 Counted on each rank when a step begins (after two warm-up steps, the gradients dropped by
 zero_grad(set_to_none=True), garbage collected): every storage of a tensor Python can reach

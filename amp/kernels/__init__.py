@@ -39,6 +39,7 @@ __all__ = [
     "moment_encode",
     "moment_decode",
     "moment_scales",
+    "MOMENT_BLOCK",
     "fuses",
     "cuda_backend",
     "BackendChoice",
@@ -237,6 +238,7 @@ def adam_step_(
     scales=None,
     inv_scale=None,
     found_inf=None,
+    starts=None,
 ):
     """One step of torch.optim.AdamW (`options.decoupled`) or Adam, fused, on parallel lists of
     one device: the gradients (any float dtype) times `inv_scale` (if given) step each row's
@@ -262,14 +264,32 @@ def adam_step_(
     differently and differ from it by a few ulps of the update. The bias corrections are
     computed in double per tensor, as torch does. The 8-bit and bf16 encodings are
     `moment_encode`'s and stochastic rounding's (_codecs.py), the same on both backends.
+
+    A row may be a shard of a tensor (FSDP2's): `starts[i]` is its first element in the
+    flattened whole (None: every row a whole tensor), so that the second moment's stochastic
+    rounding, drawn by the element's index, is the whole tensor's; a row of 8-bit codes starts at
+    a block (a multiple of 32), where its blocks are the whole tensor's.
     """
     if grads:
         if lows is None:
             lows = [None] * len(grads)
+        if starts is not None:
+            _check_starts(starts, exp_avg_sqs)
+            if not any(starts):
+                starts = None
         _backend(grads[0].device).adam_step_(
             grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf,
-            options,
+            options, starts,
         )
+
+
+def _check_starts(starts, exp_avg_sqs):
+    for index, (start, moment) in enumerate(zip(starts, exp_avg_sqs)):
+        if start % _codecs.BLOCK and moment.dtype is torch.uint8:
+            raise ValueError(
+                f"row {index} starts at element {start} of its tensor, inside a block of "
+                f"{_codecs.BLOCK}: its 8-bit codes' blocks would not be the whole tensor's"
+            )
 
 
 def sgd_step_(
@@ -326,6 +346,9 @@ def moment_encode(values, signed):
     _codecs.BLOCK elements). `signed`: int8 softsign codes (Adam's first moment, SGD's momentum);
     else uint8 codes of the square roots of non-negative values (Adam's second moment)."""
     return (_codecs.signed_encode if signed else _codecs.unsigned_encode)(values)
+
+
+MOMENT_BLOCK = _codecs.BLOCK  # the elements of an 8-bit moment's block (one scale each)
 
 
 def moment_scales(numel):

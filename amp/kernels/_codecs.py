@@ -22,8 +22,9 @@ CUDA source (codecs.cu, step_loop.cu) follows operation by operation, so the two
   unsigned code is rounded stochastically (`dither`): Adam's second moment moves by 1 - beta2 =
   0.1% a step, less than a code, so rounding to nearest would hold it where it is (an EMA stuck
   high, or at the floor) while stochastic rounding follows it on average. The random bits are a
-  hash of the element's index and one of the step count: a resumed run draws the same ones, and
-  the CUDA kernel computes them as here.
+  hash of the element's index in its whole tensor (a shard's elements from the shard's start:
+  FSDP2's draw the replicated tensor's) and one of the step count: a resumed run draws the same
+  ones, at any world size, and the CUDA kernel computes them as here.
 - A bf16 moment: round to nearest even; Adam's second moment in a step stochastically, as its
   8-bit code (bf16's 8 bits of precision are coarser than its 0.1% a step too).
 

@@ -233,7 +233,8 @@ def _copy_split(lows):
 
 
 def adam_step_(
-    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options
+    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options,
+    starts=None,
 ):
     plain, other = _torch_backend._torch_format(masters, (exp_avgs, exp_avg_sqs), scales)
     if plain is None:
@@ -254,6 +255,7 @@ def adam_step_(
             inv_scale,
             found_inf,
             options,
+            None if starts is None else _pick(starts, other),
         )
 
 

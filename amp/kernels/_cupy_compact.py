@@ -100,8 +100,28 @@ def _picked(values, indices):
     return None if values is None else [values[i] for i in indices]
 
 
+def _starts(starts, indices, device):
+    """The rows' starts (kernels.adam_step_'s) as an int64 device tensor, kept while they are the
+    same (None: all 0)."""
+    if starts is None:
+        return None
+    picked = tuple(starts[i] for i in indices)
+    if not any(picked):
+        return None
+    key = (device, picked)
+    if key not in _STARTS:
+        if len(_STARTS) >= 16:
+            del _STARTS[next(iter(_STARTS))]
+        _STARTS[key] = torch.tensor(picked, dtype=torch.int64, device=device)
+    return _STARTS[key]
+
+
+_STARTS = {}  # (device, starts) -> their device tensor: a shard's start stays, step after step
+
+
 def adam_step_(
-    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options
+    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options,
+    starts=None,
 ):
     m_scales, v_scales = scales if scales is not None else (None, None)
     groups, rest = _compact_groups(
@@ -139,6 +159,7 @@ def adam_step_(
             launches,
             arguments,
             index,
+            rows=_starts(starts, indices, grads[0].device),
         )
         cuda.run("amp_compact_count_steps", launches, (found,), index, chunked=False)
     if rest:
@@ -148,6 +169,7 @@ def adam_step_(
             inv_scale,
             found_inf,
             options,
+            _picked(starts, rest),
         )
 
 

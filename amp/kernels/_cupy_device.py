@@ -247,15 +247,21 @@ def _write_row(launches, row, pointers, numels):
         start += count
 
 
-def run(name, launches, arguments, index, first_chunk_argument=False, chunked=True):
+def run(name, launches, arguments, index, first_chunk_argument=False, chunked=True, rows=False):
     """Launch kernel `name` once per packed launch, its Meta first, then `arguments` (and the
-    launch's first chunk, and the chunk size where the kernel takes them)."""
+    launch's first chunk, the address of its tensors' values in `rows` (an int64 device tensor
+    of a value per tensor of all the launches; None: a null pointer) and the chunk size where
+    the kernel takes them: `rows` False where it takes no such address)."""
     device = gpu(index)
     function = device.functions[name]
     on = stream(index)
+    done = 0  # the tensors of the launches before
     with cupy.cuda.Device(index):
         for packed in launches:
             extra = (packed.first_chunk,) if first_chunk_argument else ()
+            if rows is not False:
+                extra += (0 if rows is None else rows.data_ptr() + 8 * done,)
+                done += int(packed.meta[0]["ntensors"])
             extra += (_layout.CHUNK,) if chunked else ()
             function(
                 (min(max(packed.chunks, 1), device.max_grid),),

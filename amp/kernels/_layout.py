@@ -49,7 +49,7 @@ KERNEL_PARAMETERS = {
     "amp_adam": (6, 9),
     "amp_count_steps": (6, 1),
     "amp_sgd": (4, 8),
-    "amp_compact_adam": (8, 9),
+    "amp_compact_adam": (8, 10),
     "amp_compact_count_steps": (8, 1),
     "amp_compact_sgd": (6, 9),
 }

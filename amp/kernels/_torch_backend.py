@@ -248,7 +248,7 @@ def _pick(values, indices):
 
 
 def adam_step_(grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf,
-               options):
+               options, starts=None):
     """One step of AdamW (options.decoupled) or Adam: torch's fused op on the rows in torch's
     format, once per dtype of the masters; the compact forms' rows by _torch_compact.py."""
     plain, other = _torch_format(masters, (exp_avgs, exp_avg_sqs), scales)
@@ -259,13 +259,14 @@ def adam_step_(grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_s
         return
     rows = (grads, lows, masters, exp_avgs, exp_avg_sqs, steps)
     if not plain:  # every row compact: the lists as they are
-        compact_adam_step_(*rows, scales, inv_scale, found_inf, options)
+        compact_adam_step_(*rows, scales, inv_scale, found_inf, options, starts)
         return
     adam_step_(*[_pick(r, plain) for r in rows], None, inv_scale, found_inf, options)
     if other:
         scale_lists = None if scales is None else tuple(_pick(s, other) for s in scales)
         compact_adam_step_(
-            *[_pick(r, other) for r in rows], scale_lists, inv_scale, found_inf, options
+            *[_pick(r, other) for r in rows], scale_lists, inv_scale, found_inf, options,
+            _pick(starts, other),
         )
 
 

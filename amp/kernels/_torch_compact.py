@@ -77,11 +77,13 @@ def _runs(indices, numels):
 
 
 def adam_step_(
-    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options
+    grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_scale, found_inf, options,
+    starts=None,
 ):
     """kernels.adam_step_ over rows with compact masters (an int16 remainder or an int8
     correction of the bf16 `lows`) and/or encoded moments (`scales`: the two moments' block
-    scales for 8-bit codes; bf16 moments need none)."""
+    scales for 8-bit codes; bf16 moments need none); `starts`: each row's first element in its
+    whole tensor (None: 0), where the second moment's dither begins."""
     whole, pieces = _whole_rows(masters, (exp_avgs, exp_avg_sqs), scales)
     torch._foreach_add_(steps, 1)
     step = torch._fused_adamw_ if options.decoupled else torch._fused_adam_
@@ -116,6 +118,7 @@ def adam_step_(
             m = _Moment(exp_avgs[i], None if m_scales is None else m_scales[i], True, piece)
             v = _Moment(exp_avg_sqs[i], None if v_scales is None else v_scales[i], False, piece)
             v.step = steps[i]  # its codes are rounded stochastically (_codecs.dither)
+            v.start = 0 if starts is None else starts[i]
             step(
                 [master.fp32],
                 [_unscaled(grad, piece, inv_scale)],
@@ -303,7 +306,7 @@ class _Moment:
 
     def __init__(self, held, scales, signed, piece):
         self.held, self.scales, self.signed, self.piece = held, scales, signed, piece
-        self.step = None
+        self.step, self.start = None, 0  # a stochastic rounding's step; the row's first element
         flat = _flat(held)[piece]
         if held.dtype is torch.float32:
             self.fp32 = flat
@@ -325,13 +328,13 @@ class _Moment:
             if self.step is None:
                 values = self.fp32.to(held.dtype)
             else:
-                values = _codecs.bf16_stochastic(self.fp32, self.step, piece.start)
+                values = _codecs.bf16_stochastic(self.fp32, self.step, self.start + piece.start)
             _write(held, piece, values, found_inf)
             return
         if self.signed:
             codes, scales = _codecs.signed_encode(self.fp32)
         else:
-            codes, scales = _codecs.unsigned_encode(self.fp32, self.step, piece.start)
+            codes, scales = _codecs.unsigned_encode(self.fp32, self.step, self.start + piece.start)
         old_codes, old_scales = held.view(-1)[piece], self.scales[self.blocks]
         if found_inf is not None:  # a skipped step keeps the codes it had (no sync: a select)
             skipped = found_inf != 0

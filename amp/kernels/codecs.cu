@@ -123,7 +123,9 @@ __device__ AMP_RARE unsigned char unsigned_code(float root, float divisor, float
 // __fdividef's 2-ulp quotient) within 7e-5 of it too. So where the approximation lies further than
 // kCodeMargin from a rounding boundary (signed: k + 1/2; unsigned: k), its rounding is the code;
 // nearer (about 1 value in 4,000), the exact operations decide. Only for a divisor within
-// 2**-100..2**100, where no product flushes or overflows (codes_approximable).
+// 2**-100..2**100, where no product flushes or overflows (codes_approximable). The products and
+// sums are the non-flushing ones (CuPy's -ftz=true): __fdividef flushes a subnormal quotient
+// and rintf / floorf a subnormal operand to 0, where the code is 0 (floorf's are not negative).
 constexpr float kCodeMargin = 0x1p-12f;
 
 __device__ __forceinline__ bool codes_approximable(float divisor) {
@@ -135,18 +137,18 @@ __device__ __forceinline__ bool codes_approximable(float divisor) {
 // 1 / divisor rounded.
 __device__ __forceinline__ signed char signed_code_fast(float value, float inverse,
                                                         bool& certain) {
-  const float y = value * inverse;
-  const float t = __fdividef(y * 254.0f, fabsf(y) + 1.0f);  // 127 z
+  const float y = mul_rn(value, inverse);
+  const float t = __fdividef(mul_rn(y, 254.0f), add_rn(abs_bits(y), 1.0f));  // 127 z
   const float nearest = rintf(t);
-  certain = fabsf(t - nearest) < 0.5f - kCodeMargin;
+  certain = abs_bits(sub_rn(t, nearest)) < 0.5f - kCodeMargin;
   return static_cast<signed char>(static_cast<int>(nearest));
 }
 
 // unsigned_code's result where certain, as signed_code_fast.
 __device__ __forceinline__ unsigned char unsigned_code_fast(float root, float inverse,
                                                             float noise, bool& certain) {
-  const float t = fmaf(root * inverse, 255.0f, noise);
-  const float rest = t - floorf(t);
+  const float t = fma_rn(mul_rn(root, inverse), 255.0f, noise);
+  const float rest = sub_rn(t, floorf(t));
   certain = rest > kCodeMargin && rest < 1.0f - kCodeMargin;
   return unsigned_code_of(t, root);
 }
@@ -173,7 +175,7 @@ __device__ __forceinline__ unsigned int dither_bits(long long index, unsigned in
 
 // Uniform in [0, 1), a multiple of 2**-16 (_codecs.dither's).
 __device__ __forceinline__ float dither(long long index, unsigned int salt) {
-  return static_cast<float>(dither_bits(index, salt)) * 1.52587890625e-05f;  // 2**-16, exact
+  return mul_rn(static_cast<float>(dither_bits(index, salt)), 1.52587890625e-05f);  // exact
 }
 
 // A non-negative value's bf16 bits, rounded stochastically by 16 random bits

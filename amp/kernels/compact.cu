@@ -14,13 +14,14 @@ template <> struct StepBlocks<amp::Codes8> { static constexpr int value = 1; };
 // amp::Exact<L>: the FP32 master and its copy in L (null: none). Moment float / __nv_bfloat16:
 // the moments as held, lists 5 and 6 null; amp::Codes8: int8 softsign and uint8 square-root codes,
 // lists 5 and 6 their FP32 scales per 32 elements (`chunk` must be a multiple of 32). Each element
-// is decoded, stepped by amp::adam_element and encoded. Nothing happens where *found != 0;
-// amp_compact_count_steps then adds the step.
+// is decoded, stepped by amp::adam_element and encoded. `starts` (null: all 0): each tensor's first
+// element in its whole tensor (a shard's), where its second moment's dither begins; a coded one's
+// a multiple of 32. Nothing happens where *found != 0; amp_compact_count_steps then adds the step.
 template <typename G, typename Master, typename Moment>
 __global__ void __launch_bounds__(amp::kBlock, StepBlocks<Moment>::value)
 amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, const float* found,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                 long long decoupled, long long chunk) {
+                 long long decoupled, const long long* starts, long long chunk) {
   if (found != nullptr && *found != 0.0f) return;
   const float* tables = amp::CodeTables<Moment>::build();
   const int total = meta.chunk_start[meta.ntensors];
@@ -32,7 +33,7 @@ amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, co
     long long first, n;
     amp::chunk_range(meta, t, c, chunk, first, n);
     if (t != scalars_of) {
-      const float step = *reinterpret_cast<const float*>(meta.ptr[7][t]) + 1.0f;
+      const float step = amp::add_rn(*reinterpret_cast<const float*>(meta.ptr[7][t]), 1.0f);
       s = amp::adam_scalars(lr, beta1, beta2, eps, weight_decay, step);
       salt = amp::dither_salt(static_cast<unsigned int>(step));
       scalars_of = t;
@@ -41,7 +42,7 @@ amp_compact_adam(const AMP_GRID_CONSTANT amp::Meta<8> meta, const float* inv, co
     const amp::MomentList<Moment, true> exp_avg(meta.ptr[3][t], meta.ptr[5][t], first, salt,
                                                 tables);
     const amp::MomentList<Moment, false> exp_avg_sq(meta.ptr[4][t], meta.ptr[6][t], first, salt,
-                                                    tables);
+                                                    tables, starts != nullptr ? starts[t] : 0);
     amp::adam_chunk(reinterpret_cast<const G*>(meta.ptr[0][t]) + first, master, exp_avg,
                     exp_avg_sq, n, s, decoupled != 0, weight_decay != 0.0, inv);
   }

@@ -175,15 +175,17 @@ template <typename L> struct MasterList<Exact<L>> {
 // A chunk's moment: FP32 or bf16 as held, or 8-bit codes (softsign where Signed, else square
 // roots) with their blocks' scales. store() is called by every lane of the warp (a coded block's
 // scale is a reduction over its kGroupLanes lanes); `roots`: sqrt of the values, which square-root
-// codes take. `salt` (dither_salt of the step) dithers a second moment's rounding.
+// codes take. `salt` (dither_salt of the step) dithers a second moment's rounding, drawn by the
+// element's index in the whole tensor: `origin` is the row's first (a shard's start, else 0).
 template <typename Moment, bool Signed> struct MomentList {  // Moment: float or __nv_bfloat16
   typename Bits<Moment>::type* held;
-  long long first;
+  long long first;  // the dither's index of the chunk's first element
   unsigned int salt;
   __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long,
-                                        long long first, unsigned int salt, const float*)
+                                        long long first, unsigned int salt, const float*,
+                                        long long origin = 0)
       : held(list != 0 ? reinterpret_cast<typename Bits<Moment>::type*>(list) + first : nullptr),
-        first(first), salt(salt) {}
+        first(origin + first), salt(salt) {}
   __device__ __forceinline__ bool aligned() const { return group_aligned(held); }
   template <typename V>
   __device__ __forceinline__ void load(long long i, int count, V vector,
@@ -222,13 +224,14 @@ template <bool Signed> struct MomentList<Codes8, Signed> {
   unsigned char* codes;  // read as unsigned: the table's index
   float* scales;
   const float* table;  // code_tables(): the softsign table, then the square-root one
-  long long first;
+  long long first;  // the dither's index of the chunk's first element
   unsigned int salt;
   __device__ __forceinline__ MomentList(unsigned long long list, unsigned long long scale_list,
-                                        long long first, unsigned int salt, const float* tables)
+                                        long long first, unsigned int salt, const float* tables,
+                                        long long origin = 0)
       : codes(list != 0 ? reinterpret_cast<unsigned char*>(list) + first : nullptr),
         scales(scale_list != 0 ? reinterpret_cast<float*>(scale_list) + first / kWarp : nullptr),
-        table(tables + (Signed ? 0 : kCodes)), first(first), salt(salt) {}
+        table(tables + (Signed ? 0 : kCodes)), first(origin + first), salt(salt) {}
   __device__ __forceinline__ bool aligned() const { return group_aligned(codes); }
   template <typename V>
   __device__ __forceinline__ void load(long long i, int count, V vector,

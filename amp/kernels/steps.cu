@@ -20,7 +20,7 @@ amp_adam(const AMP_GRID_CONSTANT amp::Meta<6> meta, const float* inv, const floa
     long long first, n;
     amp::chunk_range(meta, t, c, chunk, first, n);
     if (t != scalars_of) {
-      const float step = *reinterpret_cast<const float*>(meta.ptr[5][t]) + 1.0f;
+      const float step = amp::add_rn(*reinterpret_cast<const float*>(meta.ptr[5][t]), 1.0f);
       s = amp::adam_scalars(lr, beta1, beta2, eps, weight_decay, step);
       scalars_of = t;
     }

@@ -6,8 +6,12 @@ The moments of the cast parameters, and of the FP32 ones kept FP32 (batch norm's
 the `moments` option says: "fp32" under torch's own keys (`exp_avg`, `exp_avg_sq`,
 `momentum_buffer`); "bf16" under `<moment>_bf16`; "int8" as `<moment>_codes` (int8 softsign
 codes for a signed moment, uint8 square-root codes for Adam's second) and `<moment>_scales`
-(kernels.moment_encode's block scales). A plain torch optimizer never takes those keys for its
-own. Parameters of other dtypes (a float64 one) keep torch's format: moments of their dtype.
+(kernels.moment_encode's block scales, laid out as the parameter's rows: [rows, row / 32]).
+8-bit codes are held by parameters whose rows are whole blocks of 32 (two dims or more: a
+weight's), so that a shard of whole rows (FSDP2's) holds whole blocks and the scales shard as
+the parameter does; the others (biases, norms) keep FP32 moments under "int8" (FP32: the form
+of `in_form`). A plain torch optimizer never takes those keys for its own. Parameters of other
+dtypes (a float64 one) keep torch's format: moments of their dtype.
 
 An entry converts from torch's format, or any of these forms (`from_torch`: a checkpoint of
 another form, state loaded before amp.initialize, the dtypes torch's load cast), and back
@@ -22,12 +26,21 @@ import torch
 from .. import distributed, kernels
 from .rows import MasterForm
 
-__all__ = ["MOMENTS", "Layout", "StateForm", "check_entry", "torch_entry"]
+__all__ = ["MOMENTS", "FP32", "Layout", "StateForm", "check_entry", "torch_entry", "coded"]
 
 # The moments of each kind of step, and whether each is signed (kernels.moment_encode's `signed`)
 MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
 _MASTER_KEYS = frozenset(MasterForm.KEYS.values())
 _SUFFIXES = ("", "_bf16", "_codes", "_scales")
+FP32 = "fp32"  # in_form's answer for a parameter whose moments are FP32 under "int8"
+
+
+def coded(param):
+    """Whether `param` (a DTensor: its whole shape) holds 8-bit codes under "int8": two dims or
+    more, rows of whole blocks (a shard of whole rows then starts at a block)."""
+    if param.dim() < 2 or param.shape[0] == 0:
+        return False
+    return (param.numel() // param.shape[0]) % kernels.MOMENT_BLOCK == 0
 
 
 class Layout(NamedTuple):
@@ -57,7 +70,7 @@ class StateForm:
         self.layouts = {
             (momentum, in_form): self._layout(momentum, in_form)
             for momentum in (True, False)
-            for in_form in (True, False)
+            for in_form in (True, False, FP32)
         }
 
     def _layout(self, momentum, in_form):
@@ -81,12 +94,14 @@ class StateForm:
 
     def in_form(self, param, cast):
         """Whether `param`'s moments take the form (a cast parameter or an FP32 one), else
-        torch's format."""
-        return cast or param.dtype is torch.float32
+        torch's format (False); FP32 where the form is "int8" and `param` holds no codes."""
+        if not (cast or param.dtype is torch.float32):
+            return False
+        return FP32 if self.moments == "int8" and not coded(param) else True
 
     def keys(self, moment, in_form=True):
         """The state keys a moment is held under."""
-        if self.moments == "fp32" or not in_form:
+        if self.moments == "fp32" or not in_form or in_form == FP32:
             return (moment,)
         if self.moments == "bf16":
             return (f"{moment}_bf16",)
@@ -114,13 +129,13 @@ class StateForm:
         keys = self.keys(moment, in_form)
         if not in_form:
             return {keys[0]: values}
-        if self.moments == "fp32":
+        if self.moments == "fp32" or in_form == FP32:
             return {keys[0]: values.float()}
         if self.moments == "bf16":
             return {keys[0]: values.to(torch.bfloat16).contiguous()}
-        # shard by shard (FSDP2 on one rank: a shard is its whole tensor; weights/shards.py)
+        # shard by shard: whole rows, whole blocks (weights/shards.py)
         codes, scales = distributed.shardwise(kernels.moment_encode, values.float(), signed)
-        return {keys[0]: codes.contiguous(), keys[1]: scales}
+        return {keys[0]: codes.contiguous(), keys[1]: _by_rows(scales, values)}
 
     # -- conversions -----------------------------------------------------------------------------
 
@@ -134,12 +149,15 @@ class StateForm:
             if low is not None and isinstance(rest, torch.Tensor):
                 fp32 = _decoded_master(key, low, rest)
                 out[self.master.key] = self.master.encode(fp32)[1]
+        moments = "torch" if not in_form else "fp32" if in_form == FP32 else self.moments
         for moment, signed in self.moment_names:
             keys = self.keys(moment, in_form)
             held = [entry.get(key) for key in keys]
             if all(isinstance(value, torch.Tensor) for value in held) and _stored(
-                keys, held, self.moments if in_form else "torch", signed, param
+                keys, held, moments, signed, param
             ):
+                if len(held) == 2:  # an older checkpoint's flat scales: the same, by rows
+                    held[1] = _by_rows(held[1], param)
                 out.update(zip(keys, held))  # already so: kept as it is (no new rounding)
                 continue
             values = _values(entry, moment, signed)
@@ -174,6 +192,18 @@ def check_entry(entry, param, index):
                 f"{what}, and the parameter shape {tuple(param.shape)}: the checkpoint is of "
                 "another model. Load one saved by an optimizer over this model's parameters."
             )
+
+
+def _by_rows(scales, like):
+    """8-bit codes' block scales laid out as the rows of `like` (their parameter or values:
+    [rows, row / 32], a DTensor sharded as `like` where it is one); as they are where already
+    so."""
+    rows = like.shape[0]
+    shape = (rows, like.numel() // rows // kernels.MOMENT_BLOCK)
+    if scales.shape == shape:
+        return scales
+    local = distributed.local(like)
+    return distributed.laid_out(scales.view(local.shape[0], shape[1]), like, shape)
 
 
 def torch_entry(entry, dtype):

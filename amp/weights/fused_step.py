@@ -25,7 +25,8 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .. import kernels
-from ..distributed import shards
+from ..distributed import shard_start, shards
+from .forms import FP32
 from .columns import GRAD, IS_SPARSE, MARKS, NONES, VERSION, consume, repeat
 
 __all__ = ["uncovered", "options_of", "step"]
@@ -226,7 +227,7 @@ def _add_call(owner, calls, number, options, momentum, inv_scale, params, rows, 
         grads = list(itertools.compress(grads, present))
     call = _Call(options, momentum, inv_scale, params, grads, rows)
     _check_grads(owner, call, number)
-    calls.extend(call.split_by_form())
+    calls.extend(call.split_by_form(owner.state_form))
 
 
 def _check_grads(owner, call, number):
@@ -274,15 +275,21 @@ def _launch(owner, call, made, found_inf, fp32_rests=None):
         for row, master in zip(rows, masters):
             if row is not None:
                 fp32_rests[row] = master
-    if owner.sharded:  # FSDP2's DTensors: each rank steps its local shards (elementwise)
+    starts = None
+    if owner.sharded:  # FSDP2's DTensors: each rank steps its local shards
         grads, lows, masters = shards(grads), shards(lows), shards(masters)
         moments = [None if m is None else shards(m) for m in moments]
-        scales = None if scales is None else [shards(s) for s in scales]
+        scales = None if scales is None else list(map(shards, scales))
+        if owner.state_form.moments != "fp32":  # rounded by the elements' places in the whole
+            # (None: split along another dim, which shards.check allows FP32 moments only)
+            starts = [start or 0 for start in map(shard_start, params)]
+    if scales is not None:  # an 8-bit moment's scales are laid out as its rows: read flat
+        scales = [list(map(_FLAT, column)) for column in scales]
     if owner.kind == "adam":
         kernels.adam_step_(
             grads, lows, masters, moments[0], moments[1], _on_device(steps, states, params),
             call.options, scales=None if scales is None else tuple(scales),
-            inv_scale=call.inv_scale, found_inf=found_inf,
+            inv_scale=call.inv_scale, found_inf=found_inf, starts=starts,
         )
         return
     if not (made and call.momentum):  # no buffer starts: one call
@@ -316,16 +323,20 @@ class _Call:
         self.params, self.grads, self.rows, self.in_form = params, grads, rows, in_form
         self.states = None  # their state entries (None: none yet), found by the plan
 
-    def split_by_form(self):
-        """This call, or its parameters apart by whether their moments take the form (cast and
-        FP32 ones: forms.StateForm.in_form) or torch's format (other dtypes)."""
-        fp32 = map(operator.is_, map(_DTYPE, self.params), repeat(torch.float32))
-        in_form = list(map(operator.or_, map(_NOT_NONE, self.rows, NONES), fp32))
-        if all(in_form):
+    def split_by_form(self, form):
+        """This call, or its parameters apart by how their moments are held (forms.StateForm's
+        in_form: the form, FP32 under "int8", or torch's format)."""
+        cast = map(_NOT_NONE, self.rows, NONES)
+        if form.moments == "int8":  # a parameter without codes: FP32
+            in_form = list(map(form.in_form, self.params, cast))
+        else:  # in_form inlined (every step)
+            fp32 = map(operator.is_, map(_DTYPE, self.params), repeat(torch.float32))
+            in_form = list(map(operator.or_, cast, fp32))
+        if in_form.count(True) == len(in_form):
             return [self]
         parts = []
-        for wanted in (True, False):
-            picked = [i for i, f in enumerate(in_form) if f is wanted]
+        for wanted in (True, FP32, False):
+            picked = [i for i, f in enumerate(in_form) if f == wanted]
             if picked:
                 parts.append(_Call(
                     self.options, self.momentum, self.inv_scale, _pick(self.params, picked),
@@ -336,6 +347,9 @@ class _Call:
 
 def _pick(values, indices):
     return None if values is None else [values[i] for i in indices]
+
+
+_FLAT = operator.methodcaller("view", -1)
 
 
 def _real(tensor):

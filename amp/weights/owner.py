@@ -21,7 +21,8 @@ what torch's first step finds), only once it is known to be taken, and changes n
 refuses a group; a step skipped on the device changes no bit.
 
 Under FSDP2 (shards.py) the parameters, rests, moments and gradients are DTensors of each rank's
-shard: the kernels take their local shards (`sharded`), which they step elementwise.
+shard: the kernels take their local shards (`sharded`), and each shard's start in its whole
+tensor, from which a second moment's stochastic rounding is drawn (distributed.shard_start).
 """
 
 import weakref

@@ -8,11 +8,14 @@ and its moments (torch's DTensors), stepped by amp's fused step on the local sha
 bits are the replicated tensor's, and a checkpoint of the DTensors (torch's distributed
 checkpoint) loads at any world size.
 
-8-bit and bf16 moments are not elementwise: 8-bit codes are block-scaled by 32 elements of the
-local tensor, and the second moment is rounded by a hash of the element's index in it. A shard
-starting at another element than 0 would get other blocks and other roundings than the same
-tensor replicated (and scales no checkpoint could reshard), so they are refused where a
-parameter is split between ranks (`check`); on one rank a shard is its whole tensor.
+8-bit and bf16 moments are stepped from the shard's place in the whole tensor: the second
+moment's stochastic rounding is drawn by the element's index in the whole (the kernels take the
+shard's start: distributed.shard_start), and 8-bit codes are held only by parameters whose rows
+are whole blocks of 32 (forms.StateForm.coded), so that a shard along dim 0, FSDP2's, holds whole
+blocks, and their scales, laid out as the rows, shard as the parameter does. So a shard's bits
+are the replicated tensor's at any world size. A parameter split along another dim (FSDP2's
+shard_placement_fn) holds no run of the whole's elements: those moments are refused for it
+(`check`).
 
 FSDP2 keeps, per parameter, the padded local shard it all-gathers and, from its first forward,
 the dtype it gathers and reduces in with buffers of that dtype. amp swaps a cast parameter's data
@@ -26,8 +29,8 @@ import sys
 
 import torch
 
-from ..distributed import dtensor_class
-from . import paths
+from ..distributed import dtensor_class, shard_start
+from . import forms, paths
 
 __all__ = ["FSDP2", "check", "check_groups", "resync"]
 
@@ -63,7 +66,7 @@ def _split(param):
 def check(model, index, optimizers, properties):
     """Refuse, changing nothing, an FSDP2 model that O2 (`properties`, with master weights)
     cannot train: its parameters gathered, an optimizer amp's fused step does not step, or 8-bit
-    or bf16 moments of parameters split between ranks."""
+    or bf16 moments of parameters split along another dim than 0."""
     where = f"amp.initialize: models[{index}] is sharded by {FSDP2}"
     for group in _groups(model):
         for fsdp_param in group.fsdp_params:
@@ -91,25 +94,37 @@ def check(model, index, optimizers, properties):
                     + _ROUTE
                 )
         moments = properties.optimizer_state
-        split = next((p for p in params if _split(p)), None)
-        if moments != "fp32" and split is not None:
-            name = next(n for n, p in model.named_parameters() if p is split)
+        placed = moments in ("bf16", "int8")  # moments that may depend on an element's place
+        across = next((p for p in params if _across(p, moments)), None) if placed else None
+        if across is not None:
+            name = next(n for n, p in model.named_parameters() if p is across)
+            dims = sorted({p.dim for p in across.placements if p.is_shard()})
             raise RuntimeError(
                 f"{where}, and optimizer_state={moments!r} keeps moments whose bits depend on "
-                f"where a shard starts: {name!r} is split between ranks, and "
+                f"each element's place in the whole tensor: {name!r} is split along dim "
+                f"{dims[-1]} (fully_shard's shard_placement_fn), so a shard holds no run of "
+                "the whole's elements, and "
                 + _MOMENTS[moments]
-                + " The kernels take no global offset of a shard yet. Use optimizer_state='fp32' "
-                "(exact or compact masters, any world size), or train on one rank. " + _ROUTE
+                + " Shard it along dim 0 (FSDP2's default), or use optimizer_state='fp32'. "
+                + _ROUTE
             )
 
 
+def _across(param, moments):
+    """Whether `param`'s moments under `moments` depend on its elements' places in the whole
+    tensor (bf16 ones; 8-bit codes, where it holds them) and it is split along another dim than
+    0 (its shards hold no runs of the whole's elements)."""
+    if moments == "int8" and not forms.coded(param):
+        return False  # FP32 moments: elementwise
+    return _split(param) and shard_start(param) is None
+
+
 _MOMENTS = {
-    "int8": "8-bit moments are block-scaled by 32 elements of the local shard and rounded by a "
-    "hash of the element's index in it: a shard starting elsewhere than at a block's start "
-    "(a bias of 100 over 2 ranks starts at element 50) gets other blocks and roundings than the "
-    "replicated tensor, and its scales could not be loaded at another world size.",
-    "bf16": "bf16 second moments are rounded by a hash of the element's index in the local "
-    "shard: a shard gets other roundings than the replicated tensor.",
+    "int8": "8-bit moments are block-scaled by runs of 32 elements of a row and rounded by a "
+    "hash of the element's index in the whole: its shards would get other blocks and roundings "
+    "than the replicated tensor.",
+    "bf16": "bf16 second moments are rounded by a hash of the element's index in the whole: its "
+    "shards would get other roundings than the replicated tensor.",
 }
 
 

@@ -12,8 +12,8 @@ one entry per form of FORMS.
   own scaler; clipping through amp.master_params or the model: CLIP_MODEL), rank 1 alone
   putting an inf into its shard of the head's bias gradient at OVERFLOW_STEP; saves a checkpoint
   after CHECKPOINT_STEP (OUT/<form>-mid) and at the end (OUT/<form>-two); resumes the mid one in
-  a fresh model and optimizer to the end; loads the world-size-1 checkpoint. ONE_RANK_FORMS are
-  refused instead.
+  a fresh model and optimizer to the end; loads the world-size-1 checkpoint. For MOMENT_FORMS,
+  amp.initialize's refusal of a model sharded along dim 1 (shard_placement_fn) too.
 - "load" (1 rank): loads the 2-rank end checkpoint at world size 1.
 
 "Gathered" is what torch's get_state_dict(full_state_dict=True) gives: the model's FP32 values
@@ -37,8 +37,9 @@ FORMS = {
     "compact": dict(master_weights="compact"),
     "fp16": dict(master_weights=True, dtype=torch.float16),
     "compact-int8": dict(master_weights="compact", optimizer_state="int8"),
+    "compact-bf16": dict(master_weights="compact", optimizer_state="bf16"),
 }
-ONE_RANK_FORMS = ("compact-int8",)  # 8-bit moments: on one rank only
+MOMENT_FORMS = ("compact-int8", "compact-bf16")  # moments that depend on an element's place
 # clipping through amp.master_params, or torch's clip_grad_norm_ on the model's gradients; and
 # micro-batches reduced as they come, or once (FSDP2's set_requires_gradient_sync(False) before)
 CLIP_MODEL = NO_SYNC = ("compact",)
@@ -48,7 +49,8 @@ WORLD, MICRO, BATCH, INPUTS, HIDDEN, CLASSES = 2, 2, 4, 8, 32, 100
 
 def make_model():
     """Linear(8, 32), LayerNorm, ReLU, Linear(32, 100): a head of 100, whose bias splits at
-    element 50 over two ranks (inside a block of 32)."""
+    element 50 over two ranks (inside a block of 32); its weight's rows are a block each (8-bit
+    codes under "int8", split at element 1600), the first weight's 8 (FP32 moments)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(INPUTS, HIDDEN),
@@ -58,12 +60,13 @@ def make_model():
     )
 
 
-def shard(model, reduce_fp32):
+def shard(model, reduce_fp32, placement=None):
+    """fully_shard over the layers and the model; `placement`: a weight's shard_placement_fn."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_fp32 else None)
     for layer in (model[0], model[3]):
-        fully_shard(layer, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, shard_placement_fn=placement)
     fully_shard(model, mp_policy=policy)
     return model
 
@@ -177,8 +180,7 @@ def load(model, optimizer, path):
 
 
 def two(out, form, rank):
-    if form in ONE_RANK_FORMS:
-        return refused(form)
+    dim_1 = refused(form) if form in MOMENT_FORMS else None
     model, optimizer = build(form)
     steps, before_skip, after_skip = [], None, None
     for step in range(STEPS):
@@ -215,14 +217,17 @@ def two(out, form, rank):
     return {
         "steps": steps, "before skip": before_skip, "after skip": after_skip,
         "end": end, "end local": end_local, "resumed": resumed, "resumed local": resumed_local,
-        "from one": from_one,
+        "from one": from_one, "dim 1": dim_1,
     }
 
 
 def refused(form):
-    """amp.initialize's error for `form` over two ranks, and whether the model and optimizer
-    are as they were."""
-    model = shard(make_model(), reduce_fp32=False)
+    """amp.initialize's error for `form` over two ranks of a model whose weights are sharded
+    along dim 1, and whether the model and optimizer are as they were."""
+    from torch.distributed.tensor import Shard
+
+    placement = lambda param: Shard(1) if param.dim() == 2 else None  # noqa: E731
+    model = shard(make_model(), reduce_fp32=False, placement=placement)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {n: p._local_tensor.clone() for n, p in model.named_parameters()}
     try:
@@ -257,8 +262,6 @@ def one(out, form, rank):
 
 
 def load_two(out, form, rank):
-    if form in ONE_RANK_FORMS:
-        return {}
     model, optimizer = build(form)
     load(model, optimizer, f"{out}/{form}-two")
     from_two = gathered(model, optimizer)

@@ -321,8 +321,13 @@ def _kernel_signatures():
     """{kernel: (Meta depth, parameters after the Meta)} read from the CUDA source's own text."""
     source = _sources.source()
     found = {}
-    pattern = r"__global__ void __launch_bounds__\(amp::kBlock\)\s*\n(\w+)\(([^)]*)\)"
-    for name, parameters in re.findall(pattern, source):
+    # (the launch bounds may ask for a number of blocks an SM too: the compact steps do)
+    pattern = r"__global__ void __launch_bounds__\(amp::kBlock(?:, [\w<>:]+)?\)\s*\n(\w+)\(([^)]*)\)"
+    kernels = re.findall(pattern, source)
+    # every kernel taking a Meta is read: a declaration the pattern misses fails here, not silently
+    with_meta = [name for name, parameters in kernels if "amp::Meta<" in parameters]
+    assert len(with_meta) == len(re.findall(r"__global__ void[^;{]*amp::Meta<", source))
+    for name, parameters in kernels:
         parameters = [p.strip() for p in parameters.split(",")]
         meta = re.search(r"amp::Meta<(\d)>", parameters[0])
         if meta is not None:
@@ -474,6 +479,8 @@ def test_ptx_has_no_flushing_arithmetic_even_with_ftz(tmp_path):
     text = ptx.read_text()
     for op in ("mul", "add", "sub", "div", "sqrt", "fma"):  # the fused steps' arithmetic too
         assert f"{op}.rn.f32" in text and f"{op}.rn.ftz.f32" not in text, op
+        # nor the compiler's own (a * b: mul.ftz.f32), which the 8-bit codes' fast paths once took
+        assert f"\t{op}.ftz.f32" not in text, op
     assert ".local" not in text  # the Meta struct is read from parameter space, never copied
 
 

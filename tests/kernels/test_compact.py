@@ -374,6 +374,46 @@ def test_pieces_change_nothing(monkeypatch, moments, one_thread):
     assert_same(adam(state), whole)
 
 
+def _halves(state, at):
+    """The one tensor of `state` as two rows, its elements before `at` and from it (two shards
+    of it), the scales of 8-bit moments split at the block `at` starts."""
+    out = {"steps": [state["steps"][0].clone(), state["steps"][0].clone()]}
+    for key in ("grads", "lows", "corrections", "m", "v"):
+        out[key] = [state[key][0][:at].clone(), state[key][0][at:].clone()]
+    out["scales"] = None
+    if state["scales"] is not None:
+        block = at // _codecs.BLOCK
+        out["scales"] = tuple([s[0][:block].clone(), s[0][block:].clone()] for s in state["scales"])
+    return out
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_a_shard_stepped_from_its_start_is_its_part_of_the_whole_tensor(moments, one_thread):
+    """FSDP2's rows are shards: stepped with their first elements in the whole tensor (starts),
+    their moments' stochastic roundings (and an 8-bit moment's blocks) are the whole tensor's,
+    bit for bit; from 0 they are not."""
+    state = compact_state([4800], moments)  # a [100, 48] weight; row 50 starts at element 2400
+    halves, expected = _halves(state, 2400), _halves(adam(state), 2400)
+    sharded = copied(halves)
+    kernels.adam_step_(
+        sharded["grads"], sharded["lows"], sharded["corrections"], sharded["m"], sharded["v"],
+        sharded["steps"], kernels.AdamOptions(**ADAM), scales=sharded["scales"],
+        inv_scale=torch.tensor(2.0**-10), found_inf=torch.tensor(0.0), starts=[0, 2400],
+    )
+    assert_same(sharded, expected)
+    from_zero = adam(halves)
+    assert not torch.equal(from_zero["v"][1], expected["v"][1])
+
+
+def test_8_bit_codes_of_a_shard_starting_inside_a_block_are_refused():
+    state = compact_state([100], "int8")
+    with pytest.raises(ValueError, match="starts at element 50 of its tensor, inside a block"):
+        kernels.adam_step_(
+            state["grads"], state["lows"], state["corrections"], state["m"], state["v"],
+            state["steps"], kernels.AdamOptions(**ADAM), scales=state["scales"], starts=[50],
+        )
+
+
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
 def test_a_skipped_step_changes_no_bit(moments):
     """Nor one that encoding again would change: an inf weight's correction, a NaN's payload."""

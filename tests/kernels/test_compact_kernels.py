@@ -140,7 +140,7 @@ def _scalar(value, state):
     return None if value is None else torch.tensor(value, device=state["grads"][0].device)
 
 
-def run_adam(module, state, *, found=0.0, inv=INV, decoupled=True):
+def run_adam(module, state, *, found=0.0, inv=INV, decoupled=True, starts=None):
     state = copied(state)
     scales = None if state["m_scales"] is None else (state["m_scales"], state["v_scales"])
     module.adam_step_(
@@ -154,6 +154,7 @@ def run_adam(module, state, *, found=0.0, inv=INV, decoupled=True):
         _scalar(inv, state),
         _scalar(found, state),
         kernels.AdamOptions(**ADAM, decoupled=decoupled),
+        starts,
     )
     return state
 
@@ -286,6 +287,23 @@ def test_the_compact_adam_kernel_is_the_torch_backend_bit_for_bit(
         kernel, "amp_compact_adam", state, grad_dtype, moments
     )
     assert launched[1::2] == [_COUNTS[name.split("<")[0]] for name in launched[::2]]
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_the_compact_adam_kernel_dithers_a_shard_from_its_start(
+    forward_kernel, monkeypatch, moments
+):
+    """Rows that are shards (FSDP2's) dither their second moments by the element's index in the
+    whole tensor: the kernel takes each row's start, as the torch backend does, over two launches
+    (a 4 KB parameter budget holds 52 rows) and at starts past 2**16 (the dither's period)."""
+    monkeypatch.setenv("AMP_KERNEL_PARAM_BYTES", "4096")
+    sizes = [300 + 3, 64] * 30
+    starts = [(i * 7 + 3) * _codecs.BLOCK * (1 if i % 3 else 3000) for i in range(len(sizes))]
+    state = make_state(sizes, "compact", moments, torch.bfloat16)
+    stepped = run_adam(forward_kernel, state, starts=starts)
+    assert_same_bits(stepped, oracle(run_adam, state, starts=starts))
+    assert not torch.equal(stepped["v"][1], run_adam(_torch_backend, state)["v"][1])
+    assert forward_kernel.launched().count(forward_kernel.launched()[0]) == 2
 
 
 @pytest.mark.parametrize("master", MASTERS)

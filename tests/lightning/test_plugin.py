@@ -228,7 +228,8 @@ def test_compact_state_trains_as_amp_by_hand_and_resumes_bit_exact(tmp_path):
     assert_same_tensors(capture.weights, expected["weights"])
     assert_same_tensors(capture.low, expected["low"])
     assert_same_tensors(capture.optimizer, expected["optimizer"])
-    assert capture.optimizer["state"][0]["exp_avg_sq_codes"].dtype is torch.uint8
+    # the net's rows (8 and 16 elements) are no blocks of 32: FP32 moments under "int8"
+    assert set(capture.optimizer["state"][0]) == {"exp_avg", "exp_avg_sq", "step", "master_correction"}
     assert capture.plugin["skipped_steps"] >= 1
 
     straight = Capture()

@@ -1,16 +1,17 @@
 """O2 under FSDP2 (amp/weights/shards.py): `fully_shard`, then the optimizer, then
 amp.initialize(opt_level="O2") trains each rank's shards with exact, compact (bf16) or FP32
-(fp16) masters, FP32 moments.
+(fp16) masters, FP32, bf16 or 8-bit moments.
 
 In one process (a gloo group of one rank): what amp refuses, changing nothing; one rank sharded
-training bit for bit as no sharding (8-bit moments too) and resuming from a distributed
-checkpoint bit for bit; deinitialize giving FSDP2 its FP32 shards back; what the memory
-benchmark counts. With real gloo jobs (tests/helpers/fsdp2_ranks.py, run once for the module:
-one rank, two ranks, one rank; marked slow, as the other multi-process jobs): ranks that agree
-on a skip rank 1 alone saw, each rank holding its shards only, clipping that takes the global
-norm, a resume bit for bit with an uninterrupted run, checkpoints loaded at another world size
-(2 -> 1, 1 -> 2) bit for bit, two ranks training as one process, and 8-bit moments over two
-ranks refused.
+training bit for bit as no sharding (8-bit and bf16 moments too) and resuming from a
+distributed checkpoint bit for bit; deinitialize giving FSDP2 its FP32 shards back; what the
+memory benchmark counts. Two ranks of torch's fake process group (a process each): each rank's
+bf16 and 8-bit moments the rows of the replicated ones, bit for bit. With real gloo jobs
+(tests/helpers/fsdp2_ranks.py, run once for the module: one rank, two ranks, one rank; marked
+slow, as the other multi-process jobs): ranks that agree on a skip rank 1 alone saw, each rank
+holding its shards only, clipping that takes the global norm, a resume bit for bit with an
+uninterrupted run, checkpoints loaded at another world size (2 -> 1, 1 -> 2) bit for bit, two
+ranks training as one process, and 8-bit or bf16 moments of weights sharded along dim 1 refused.
 """
 
 import math
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import amp
+from amp.weights import forms
 from helpers import ROOT, TESTS
 from helpers import fsdp2_ranks as helper
 from helpers.ranks import run_ranks
@@ -28,7 +30,7 @@ from helpers.ranks import run_ranks
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fsdp2_memory  # noqa: E402
 
-TWO_RANK_FORMS = [form for form in helper.FORMS if form not in helper.ONE_RANK_FORMS]
+TWO_RANK_FORMS = list(helper.FORMS)
 # Two ranks against one: the same global batches, but each rank's gradients summed apart and
 # averaged by FSDP2's reduce-scatter (in FP32 for exact masters, else in the model's dtype), so
 # they round differently: AdamW's steps of lr 1e-2 land within a few bf16 ulps.
@@ -156,16 +158,51 @@ def test_one_rank_sharded_trains_as_unsharded_and_resumes_bit_for_bit(form, tmp_
         amp.deinitialize()
 
 
+def test_two_ranks_hold_the_replicated_tensors_rows_of_8_bit_and_bf16_moments_bit_for_bit(
+    tmp_path,
+):
+    """Each rank of two (torch's fake process group: given its shards of the gradients) holds,
+    after three steps, the rows of what the same model replicated holds: weights, masters'
+    rests, bf16 or 8-bit moments and their scales, bit for bit, at shards that start inside a
+    tensor (a [100, 48] weight at element 2400, a bias of 100 at 50, a [64, 64] one with codes
+    at 2048). Under "int8" only the [64, 64] weight holds codes (its rows are whole blocks); the
+    others FP32 moments, equal but where torch's CPU op steps a shard's or the whole's last
+    elements in its scalar loop (without the vector body's fused multiply-adds; the CUDA
+    kernels have none): the bias's rank 0 elements 48 and 49, rank 1's 46 to 49."""
+    run_ranks(TESTS / "helpers" / "fsdp2_fake_ranks.py", tmp_path, world=2, timeout=120)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"fake-rank{rank}.pt", weights_only=False)
+        for form, (sharded, replicated) in results.items():
+            assert sorted(sharded) == sorted(replicated), form
+            held = {key.split(" ", 1)[1] for key in sharded}
+            moments = {"exp_avg_bf16"} if form == "compact-bf16" else {"exp_avg_codes"}
+            assert moments <= held, form
+            for key, value in sharded.items():
+                expected = replicated[key]
+                assert value.dtype == expected.dtype and value.shape == expected.shape, key
+                if value.dtype is torch.float32 and key.startswith("1 exp_avg"):
+                    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+                    tail = slice(48, 50) if rank == 0 else slice(46, 50)
+                    value, expected = value[: tail.start], expected[: tail.start]
+                bits = [t.view(torch.uint8) if t.dim() else t for t in (value, expected)]
+                assert torch.equal(*bits), (rank, form, key)
+
+
 @pytest.mark.usefixtures("one_rank_group")
 def test_the_memory_benchmark_counts_what_each_recipe_holds():
     """benchmarks/fsdp2_memory.py's bytes a parameter between steps, one rank: FSDP2's FP32
     shards and FP32 moments, amp's bf16 shards with 2-byte remainders or 1-byte corrections,
-    8-bit moments with a scale per 32; nothing gathered, no gradient."""
+    8-bit moments with a scale per 32 where rows are whole blocks (FP32 ones elsewhere: the
+    biases and norms); nothing gathered, no gradient."""
+    params = list(fsdp2_memory.SmallLM(32, 1).parameters())
+    coded = sum(p.numel() for p in params if forms.coded(p))
+    total = sum(p.numel() for p in params)
+    int8 = (coded * (2 + 2 * 4 / 32) + (total - coded) * 8) / total
     expected = {
         "FSDP2 mixed precision": (4, 0, 8),
         "amp O2 exact": (2, 2, 8),
         "amp O2 compact": (2, 1, 8),
-        "amp O2 compact + int8": (2, 1, 2 + 2 * 4 / 32),
+        "amp O2 compact + int8": (2, 1, int8),
     }
     for recipe, (weights, rests, state) in expected.items():
         row = fsdp2_memory.measure(recipe, width=32, layers=1)
@@ -236,12 +273,14 @@ def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_each_rank_holds_its_shards_only(jobs, form):
     """Between steps each rank holds its share of the weights, the masters' rests and the
-    moments; together, every element once."""
+    moments (in any form: a moment's bf16 values or 8-bit codes); together, every element
+    once."""
     rank0, rank1 = _result(jobs, "two", form)
     total = sum(value.numel() for value in rank0["end"]["model"].values())
     for kind in ("weight", "rest", "exp_avg", "exp_avg_sq"):
+        names = (kind, f"{kind}_bf16", f"{kind}_codes")
         held = [
-            sum(v.numel() for k, v in rank["end local"].items() if k.split()[0] == kind)
+            sum(v.numel() for k, v in rank["end local"].items() if k.split()[0] in names)
             for rank in (rank0, rank1)
         ]
         assert sum(held) == total and 0 < held[1] <= held[0] < total, kind
@@ -300,11 +339,16 @@ def test_two_ranks_train_the_global_batches_as_one_process(jobs, form):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", helper.ONE_RANK_FORMS)
-def test_8_bit_moments_over_two_ranks_are_refused_changing_nothing(jobs, form):
+@pytest.mark.parametrize("form", helper.MOMENT_FORMS)
+def test_8_bit_and_bf16_moments_of_weights_sharded_along_dim_1_are_refused_changing_nothing(
+    jobs, form
+):
+    """Under "int8" only a weight holding codes: 3.weight (rows of 32); 0.weight's rows of 8 keep
+    FP32 moments, which depend on no element's place."""
+    name = "3.weight" if form == "compact-int8" else "0.weight"
     for rank in _result(jobs, "two", form):
-        message = rank["error"]
+        message = rank["dim 1"]["error"]
         assert message is not None, "trained without an error"
-        assert "'0.weight' is split between ranks" in message
-        assert "optimizer_state='fp32'" in message and "global offset" in message
-        assert rank["unchanged"]
+        assert f"'{name}' is split along dim 1 (fully_shard's shard_placement_fn)" in message
+        assert "Shard it along dim 0" in message and "optimizer_state='fp32'" in message
+        assert rank["dim 1"]["unchanged"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import amp
+from amp import kernels
 from helpers.models import loss_of, make_model
 from helpers.o2 import optimizer_params, saved, setup, train_step
 from helpers.o2 import static_o2
@@ -271,12 +272,12 @@ def test_moments_of_another_size_than_their_parameters_are_refused_changing_noth
 
 def _initialized_and_stepped(form):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 44), torch.nn.ReLU(), torch.nn.Linear(44, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(32, 44), torch.nn.ReLU(), torch.nn.Linear(44, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optimizer = amp.initialize(
         model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **form
     )
-    with amp.scale_loss(model(torch.randn(4, 8)).float().square().mean(), optimizer) as scaled:
+    with amp.scale_loss(model(torch.randn(4, 32)).float().square().mean(), optimizer) as scaled:
         scaled.backward()
     optimizer.step()
     return optimizer
@@ -307,6 +308,32 @@ def test_a_moment_of_another_shape_or_other_block_scales_is_refused_changing_not
         optimizer.load_state_dict(broken)
     torch.testing.assert_close(optimizer.state_dict(), before, rtol=0, atol=0, equal_nan=True)
     optimizer.load_state_dict(before)  # its own checkpoint loads
+
+
+@pytest.mark.usefixtures("deinitialized")
+def test_an_older_int8_checkpoint_loads_exactly_codes_of_any_tensor_flat_scales():
+    """amp once held 8-bit codes for every tensor, their scales flat: a bias's codes (now FP32
+    moments: its rows are no blocks of 32) load as their decoded values, bit for bit, and a
+    weight's flat scales as the same values laid out by rows."""
+    optimizer = _initialized_and_stepped(dict(master_weights="compact", optimizer_state="int8"))
+    weight, bias = optimizer.param_groups[0]["params"][:2]
+    now = optimizer.state_dict()
+    older = copy.deepcopy(now)
+    expected = {}
+    for moment, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        codes, scales = kernels.moment_encode(older["state"][1].pop(moment), signed)
+        older["state"][1].update({f"{moment}_codes": codes, f"{moment}_scales": scales})
+        expected[moment] = kernels.moment_decode(codes, scales)
+        older["state"][0][f"{moment}_scales"] = older["state"][0][f"{moment}_scales"].view(-1)
+    optimizer.load_state_dict(older)
+    entry = optimizer.state[bias]
+    assert set(entry) == {"exp_avg", "exp_avg_sq", "step"}
+    for moment, values in expected.items():
+        assert entry[moment].dtype is torch.float32
+        assert torch.equal(entry[moment].view(torch.int32), values.view(torch.int32)), moment
+        scales = optimizer.state[weight][f"{moment}_scales"]
+        assert scales.shape == (44, 1)
+        assert torch.equal(scales, now["state"][0][f"{moment}_scales"])
 
 
 # -- torch's distributed checkpoint ----------------------------------------------------------------
