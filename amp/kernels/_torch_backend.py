@@ -273,7 +273,7 @@ def adam_step_(grads, lows, masters, exp_avgs, exp_avg_sqs, steps, scales, inv_s
 def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, found_inf, options):
     grads = _unscaled_gradients(grads, inv_scale)
     torch._foreach_add_(steps, 1)
-    step = torch._fused_adamw_ if options.decoupled else torch._fused_adam_
+    step = options.fused_op()
     step(
         masters,
         grads,
@@ -281,14 +281,7 @@ def _adam_step(masters, grads, exp_avgs, exp_avg_sqs, steps, lows, inv_scale, fo
         exp_avg_sqs,
         [],
         steps,
-        lr=options.lr,
-        beta1=options.beta1,
-        beta2=options.beta2,
-        weight_decay=options.weight_decay,
-        eps=options.eps,
-        amsgrad=False,
-        maximize=False,
-        found_inf=found_inf,
+        **options.fused_kwargs(found_inf),
     )
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
@@ -332,13 +325,6 @@ def _sgd_step(masters, grads, buffers, lows, inv_scale, found_inf, options, firs
         masters,
         grads,
         [] if buffers is None else buffers,
-        weight_decay=options.weight_decay,
-        momentum=options.momentum,
-        lr=options.lr,
-        dampening=options.dampening,
-        nesterov=options.nesterov,
-        maximize=False,
-        is_first_step=first_step,
-        found_inf=found_inf,
+        **options.fused_kwargs(found_inf, first_step),
     )
     _copy_back(lows, masters)

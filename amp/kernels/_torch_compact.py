@@ -86,17 +86,8 @@ def adam_step_(
     whole tensor (None: 0), where the second moment's dither begins."""
     whole, pieces = _whole_rows(masters, (exp_avgs, exp_avg_sqs), scales)
     torch._foreach_add_(steps, 1)
-    step = torch._fused_adamw_ if options.decoupled else torch._fused_adam_
-    kwargs = dict(
-        lr=options.lr,
-        beta1=options.beta1,
-        beta2=options.beta2,
-        weight_decay=options.weight_decay,
-        eps=options.eps,
-        amsgrad=False,
-        maximize=False,
-        found_inf=found_inf,
-    )
+    step = options.fused_op()
+    kwargs = options.fused_kwargs(found_inf)
     numels = list(map(_numel, grads))
     for run in _runs(whole, numels):
         values = _Whole(_pick(lows, run), _pick(masters, run))
@@ -141,16 +132,7 @@ def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, optio
     (torch's first step)."""
     momentum = options.momentum != 0
     whole, pieces = _whole_rows(masters, (buffers if momentum else None,), scales)
-    kwargs = dict(
-        weight_decay=options.weight_decay,
-        momentum=options.momentum,
-        lr=options.lr,
-        dampening=options.dampening,
-        nesterov=options.nesterov,
-        maximize=False,
-        is_first_step=first_step,
-        found_inf=found_inf,
-    )
+    kwargs = options.fused_kwargs(found_inf, first_step)
     numels = list(map(_numel, grads))
     for run in _runs(whole, numels):
         values = _Whole(_pick(lows, run), _pick(masters, run))

@@ -290,7 +290,7 @@ def test_ddp_ranks_stay_identical_when_one_rank_overflows(tmp_path, opt_level):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["O1", "O2", "compact", "scaler"])
+@pytest.mark.parametrize("recipe", ["O1", "O2", "compact", "compact-int8", "scaler"])
 def test_fsdp2_ranks_stay_identical_when_one_rank_overflows(tmp_path, recipe):
     """Two real processes (gloo), FSDP2: an overflow in rank 1's shard only is skipped by both."""
     _torchrun(

@@ -7,8 +7,8 @@ training bit for bit as no sharding (8-bit and bf16 moments too) and resuming fr
 distributed checkpoint bit for bit; deinitialize giving FSDP2 its FP32 shards back; what the
 memory benchmark counts. Two ranks of torch's fake process group (a process each): each rank's
 bf16 and 8-bit moments the rows of the replicated ones, bit for bit. With real gloo jobs
-(tests/helpers/fsdp2_ranks.py, run once for the module: one rank, two ranks, one rank; marked
-slow, as the other multi-process jobs): ranks that agree on a skip rank 1 alone saw, each rank
+(tests/helpers/fsdp2_ranks.py, run once for the module: one rank, two ranks, one rank; about
+10 s in all, so in make test): ranks that agree on a skip rank 1 alone saw, each rank
 holding its shards only, clipping that takes the global norm, a resume bit for bit with an
 uninterrupted run, checkpoints loaded at another world size (2 -> 1, 1 -> 2) bit for bit, two
 ranks training as one process, and 8-bit or bf16 moments of weights sharded along dim 1 refused.
@@ -252,7 +252,6 @@ def _equal(a, b, path=""):
     assert a == b, path
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
     rank0, rank1 = _result(jobs, "two", form)
@@ -269,7 +268,6 @@ def test_a_skip_rank_1_alone_saw_is_every_ranks_and_changes_no_bit(jobs, form):
         _equal(rank["before skip"], rank["after skip"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_each_rank_holds_its_shards_only(jobs, form):
     """Between steps each rank holds its share of the weights, the masters' rests and the
@@ -286,7 +284,6 @@ def test_each_rank_holds_its_shards_only(jobs, form):
         assert sum(held) == total and 0 < held[1] <= held[0] < total, kind
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_clipping_takes_the_global_norm(jobs, form):
     """Through amp.master_params (FP32), or torch's clip_grad_norm_ on the model's bf16 gradients
@@ -303,7 +300,6 @@ def test_clipping_takes_the_global_norm(jobs, form):
         assert not math.isclose(norm, local0, rel_tol=0.1)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_resumed_at_the_same_world_size_bit_for_bit(jobs, form):
     for rank in _result(jobs, "two", form):
@@ -311,7 +307,6 @@ def test_resumed_at_the_same_world_size_bit_for_bit(jobs, form):
         _equal(rank["end local"], rank["resumed local"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_a_two_rank_checkpoint_loads_at_one_rank_bit_for_bit(jobs, form):
     """The head's bias of 100 splits at element 50, inside a block of 32."""
@@ -321,7 +316,6 @@ def test_a_two_rank_checkpoint_loads_at_one_rank_bit_for_bit(jobs, form):
     _equal(loaded["from two"], rank0["end"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_a_one_rank_checkpoint_loads_at_two_ranks_bit_for_bit(jobs, form):
     (one,) = _result(jobs, "one", form)
@@ -329,7 +323,6 @@ def test_a_one_rank_checkpoint_loads_at_two_ranks_bit_for_bit(jobs, form):
         _equal(rank["from one"], one["end"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", TWO_RANK_FORMS)
 def test_two_ranks_train_the_global_batches_as_one_process(jobs, form):
     (one,) = _result(jobs, "one", form)  # bit for bit one process's (the test above)
@@ -338,7 +331,6 @@ def test_two_ranks_train_the_global_batches_as_one_process(jobs, form):
         torch.testing.assert_close(value, one["end"]["model"][name], **TOLERANCE, msg=name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("form", helper.MOMENT_FORMS)
 def test_8_bit_and_bf16_moments_of_weights_sharded_along_dim_1_are_refused_changing_nothing(
     jobs, form
