@@ -23,6 +23,7 @@ usual check, nothing written, is a few C-level compares over parallel lists.
 """
 
 import operator
+import threading
 import weakref
 
 import torch
@@ -58,41 +59,46 @@ class LentValues:
         self.seen = []  # the parameter's (version, address) when its value was lent
         self.position = {}  # key -> its index in the lists
         self.sharded = False  # some are DTensors: their shards' counters are read
+        # Another thread's state dict lends while the training thread takes writes and refreshes:
+        # each holds this while it reads or rebuilds the lists (an index is a place in them).
+        self.lock = threading.RLock()
 
     def lend(self, key, param, value_of):
         """The FP32 tensor lent for `key` (the row of `param`): the one still held, unless
         `param` was written since it was made and it was not (a new one then: the row's value
         now), else `value_of()` (a new tensor of the row's value), noted. Writes nothing but
         these lists."""
-        index = self.position.get(key)
-        value = None if index is None else self.refs[index]()
-        mark = (param._version, address(param))
-        unwritten = value is not None and _version(value) == self.versions[index]
-        if unwritten and self.seen[index] != mark:
-            value = None  # made before a write from outside amp, and not written since
-        if value is None:
-            value = value_of()
-            dtensor = dtensor_class()
-            self.sharded = self.sharded or (dtensor is not None and isinstance(value, dtensor))
-            if index is None:
-                index = self.position[key] = len(self.keys)
-                for column in (self.keys, self.refs, self.versions, self.seen):
-                    column.append(None)
-                self.keys[index] = key
-            self.refs[index] = weakref.ref(value)
-            self.versions[index] = _version(value)
-            self.seen[index] = mark
-        self.strong[index] = value  # held until its writes are taken
-        return value
+        with self.lock:
+            index = self.position.get(key)
+            value = None if index is None else self.refs[index]()
+            mark = (param._version, address(param))
+            unwritten = value is not None and _version(value) == self.versions[index]
+            if unwritten and self.seen[index] != mark:
+                value = None  # made before a write from outside amp, and not written since
+            if value is None:
+                value = value_of()
+                dtensor = dtensor_class()
+                self.sharded = self.sharded or (dtensor is not None and isinstance(value, dtensor))
+                if index is None:
+                    index = self.position[key] = len(self.keys)
+                    for column in (self.keys, self.refs, self.versions, self.seen):
+                        column.append(None)
+                    self.keys[index] = key
+                self.refs[index] = weakref.ref(value)
+                self.versions[index] = _version(value)
+                self.seen[index] = mark
+            self.strong[index] = value  # held until its writes are taken
+            return value
 
     def pending(self, key):
         """The tensor lent for `key` if it was written since amp last wrote or lent it, else
         None (what the row's value is until the write is taken)."""
-        index = self.position.get(key)
-        value = None if index is None else self.refs[index]()
-        if value is not None and _version(value) != self.versions[index]:
-            return value
-        return None
+        with self.lock:
+            index = self.position.get(key)
+            value = None if index is None else self.refs[index]()
+            if value is not None and _version(value) != self.versions[index]:
+                return value
+            return None
 
     def _values(self):
         return list(map(_CALL, self.refs))
@@ -108,33 +114,35 @@ class LentValues:
         """[(row, tensor)] of the lent tensors written since amp last wrote or lent them, for
         rows still there (`rows_of`: id -> row); from then on every tensor is held only by whoever
         kept it. Forgets the tensors no one holds."""
-        if self.unchanged():
+        with self.lock:
+            if self.unchanged():
+                self.strong = {}
+                return []
+            found, kept = [], []
+            for key, ref, version, seen in zip(self.keys, self.refs, self.versions, self.seen):
+                value, row = ref(), rows_of.get(key)
+                if value is None or row is None:
+                    continue
+                if _version(value) != version:
+                    found.append((row, value))
+                kept.append((key, ref, _version(value), seen))
+            self.keys = [key for key, _, _, _ in kept]
+            self.refs = [ref for _, ref, _, _ in kept]
+            self.versions = [version for _, _, version, _ in kept]
+            self.seen = [seen for _, _, _, seen in kept]
             self.strong = {}
-            return []
-        found, kept = [], []
-        for key, ref, version, seen in zip(self.keys, self.refs, self.versions, self.seen):
-            value, row = ref(), rows_of.get(key)
-            if value is None or row is None:
-                continue
-            if _version(value) != version:
-                found.append((row, value))
-            kept.append((key, ref, _version(value), seen))
-        self.keys = [key for key, _, _, _ in kept]
-        self.refs = [ref for _, ref, _, _ in kept]
-        self.versions = [version for _, _, version, _ in kept]
-        self.seen = [seen for _, _, _, seen in kept]
-        self.strong = {}
-        self.position = {key: index for index, key in enumerate(self.keys)}
-        return found
+            self.position = {key: index for index, key in enumerate(self.keys)}
+            return found
 
     def refresh(self, rows_of, value_of, params, rows=None):
         """The rows (all, or `rows`) were written by amp: their lent tensors take the values (of
         `params`, the rows' parameters, as they are now)."""
-        with torch.no_grad():
-            for index, (key, ref) in enumerate(zip(self.keys, self.refs)):
-                value, row = ref(), rows_of.get(key)
-                if value is None or row is None or (rows is not None and row not in rows):
-                    continue
-                value.copy_(value_of(row))
-                self.versions[index] = _version(value)
-                self.seen[index] = (params[row]._version, address(params[row]))
+        with self.lock:
+            with torch.no_grad():
+                for index, (key, ref) in enumerate(zip(self.keys, self.refs)):
+                    value, row = ref(), rows_of.get(key)
+                    if value is None or row is None or (rows is not None and row not in rows):
+                        continue
+                    value.copy_(value_of(row))
+                    self.versions[index] = _version(value)
+                    self.seen[index] = (params[row]._version, address(params[row]))
