@@ -72,6 +72,9 @@ class StateForm:
             for momentum in (True, False)
             for in_form in (True, False, FP32)
         }
+        # (shape, dtype, cast) -> in_form, what a step looks up (a C-level get) instead of
+        # calling in_form for every parameter: it depends on nothing else.
+        self.in_forms = {}
 
     def _layout(self, momentum, in_form):
         keys, moments, scales = [], [], []

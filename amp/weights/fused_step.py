@@ -328,7 +328,13 @@ class _Call:
         in_form: the form, FP32 under "int8", or torch's format)."""
         cast = map(_NOT_NONE, self.rows, NONES)
         if form.moments == "int8":  # a parameter without codes: FP32
-            in_form = list(map(form.in_form, self.params, cast))
+            params = self.params
+            keys = list(zip(map(_SHAPE, params), map(_DTYPE, params), cast))
+            in_form = list(map(form.in_forms.get, keys))
+            if None in in_form:  # a shape, dtype or cast not seen yet: forms decides, once
+                for i, key in enumerate(keys):
+                    if in_form[i] is None:
+                        in_form[i] = form.in_forms[key] = form.in_form(params[i], key[2])
         else:  # in_form inlined (every step)
             fp32 = map(operator.is_, map(_DTYPE, self.params), repeat(torch.float32))
             in_form = list(map(operator.or_, cast, fp32))

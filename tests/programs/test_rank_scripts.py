@@ -16,6 +16,7 @@ RANK_SCRIPTS = [
     "tests/helpers/ddp_masters_rank.py",
     "tests/helpers/distributed_scenarios.py",
     "tests/helpers/float8_ranks.py",
+    "tests/helpers/fsdp2_fake_ranks.py",
     "tests/helpers/fsdp2_ranks.py",
     "tests/helpers/origin_ddp_rank.py",
     "tests/lightning/lightning_ddp_rank.py",
