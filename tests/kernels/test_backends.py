@@ -451,8 +451,16 @@ def test_source_compiles_with_nvcc(tmp_path, budget, formula):
         assert result.returncode == 0, result.stderr
 
 
+# The compact family's 67 kernels take nvcc about 27 s on two cores: make test-all compiles them
+# all; make test compiles a sample of its kernels with every family's source (the tests above).
+_FAMILY_CASES = [
+    pytest.param(family, marks=pytest.mark.slow) if family == "compact" else family
+    for family in sorted(_sources.FAMILIES)
+]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("family", sorted(_sources.FAMILIES))
+@pytest.mark.parametrize("family", _FAMILY_CASES)
 def test_each_family_compiles_alone_to_machine_code_as_cupy_builds_it(tmp_path, family):
     """A family's files alone (CuPy compiles each apart), every name it lists, its options,
     -ftz=true last, sm_90."""
