@@ -49,7 +49,8 @@ class Layout(NamedTuple):
     or the one tensor where there is one key; None: no key), at the positions `moments` (one per
     moment of the kind; None where SGD has no momentum), `scales` (the block scales of 8-bit
     codes) and `steps` (Adam's step count, else None). A stepped entry holds every key of
-    `needed`."""
+    `needed`. `sized`: the key of a tensor with an element per element of the parameter (its
+    first moment; None: none), whose size a step checks."""
 
     keys: tuple
     read: Optional[operator.itemgetter]
@@ -57,6 +58,7 @@ class Layout(NamedTuple):
     scales: tuple
     steps: Optional[int]
     needed: tuple
+    sized: Optional[str]
 
 
 class StateForm:
@@ -93,7 +95,8 @@ class StateForm:
             keys.append("step")
         needed = tuple(key for key in keys if not key.endswith("_scales"))
         read = operator.itemgetter(*keys) if keys else None
-        return Layout(tuple(keys), read, tuple(moments), tuple(scales), steps, needed)
+        sized = keys[0] if keys and keys[0] != "step" else None
+        return Layout(tuple(keys), read, tuple(moments), tuple(scales), steps, needed, sized)
 
     def in_form(self, param, cast):
         """Whether `param`'s moments take the form (a cast parameter or an FP32 one), else

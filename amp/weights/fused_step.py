@@ -40,6 +40,7 @@ _NOT_NONE = operator.is_not
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 _CONTAINS = operator.contains
+_NUMEL = operator.methodcaller("numel")
 
 
 # -- a group's options -------------------------------------------------------------------------
@@ -208,12 +209,41 @@ def _plan(owner):
         _add_call(owner, calls, number, options, momentum, None, params, rows, grads)
     for call in calls:
         call.states = states = list(map(state_get, call.params))
-        needed = form.layouts[call.momentum, call.in_form].needed
+        layout = form.layouts[call.momentum, call.in_form]
+        needed, sized = layout.needed, layout.sized
         if None in states or any(False in map(_CONTAINS, states, repeat(k)) for k in needed):
             for param, entry in zip(call.params, states):
                 if entry is None or not all(key in entry for key in needed):
                     first.append((param, call.momentum, call.in_form))
+                for key, value in () if entry is None else entry.items():  # any form's
+                    if key != "step" and not key.endswith("_scales"):
+                        _check_size(optimizer, param, value, key)
+        elif sized is not None and list(map(_NUMEL, map(operator.itemgetter(sized), states))) != (
+            list(map(_NUMEL, call.params))
+        ):
+            for param, entry in zip(call.params, states):
+                _check_size(optimizer, param, entry[sized], sized)
     return calls, first
+
+
+def _check_size(optimizer, param, moment, key):
+    """Refuse, changing nothing, a parameter whose state was made for another size: new data of
+    another shape (`param.data = ...`), which torch's own step refuses too."""
+    if moment.numel() != param.numel():
+        number, index = next(
+            (n, i)
+            for n, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+            if p is param
+        )
+        raise RuntimeError(
+            f"optimizer.step(): param_groups[{number}]['params'][{index}] has "
+            f"{param.numel()} elements (shape {tuple(param.shape)}), and its optimizer state "
+            f"({key}: {moment.numel()} elements) was made for another size: new data of another "
+            "shape in the parameter (param.data = ...) leaves state that does not fit it. Nothing "
+            "was changed. Drop its state (del optimizer.state[param]) to start it afresh, or "
+            "load a checkpoint made for the new shape."
+        )
 
 
 def _add_call(owner, calls, number, options, momentum, inv_scale, params, rows, grads):

@@ -535,3 +535,40 @@ def test_numpy_floats_are_numbers_to_the_fused_step(fused_calls):
     assert len(fused_calls) == 3
     amp.deinitialize()
     assert_bitwise_states(with_numpy, run(float))
+
+
+@pytest.mark.usefixtures("deinitialized")
+@pytest.mark.parametrize("form", ["exact", "compact-int8", "compact-bf16"])
+@pytest.mark.parametrize("features", [64, 16], ids=["grown", "shrunk"])
+def test_state_made_for_another_size_is_refused_changing_nothing(form, features):
+    """New data of another shape in a parameter (`param.data = ...`) after its state was made:
+    the step raises as torch's own does, changing no state, and steps again once the state is
+    dropped (with int8, rows of 16 hold FP32 moments: the codes left behind do not fit either)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 64)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    master, _, moments = form.partition("-")
+    layer, optimizer = amp.initialize(
+        layer, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0,
+        master_weights=True if master == "exact" else "compact", optimizer_state=moments or "fp32",
+    )
+
+    def step(inputs):
+        with amp.scale_loss(layer(torch.randn(4, inputs)).float().pow(2).mean(), optimizer) as s:
+            s.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2):
+        step(32)
+    layer.weight.data = torch.randn(64, features, dtype=torch.bfloat16) * 0.1
+    weight = layer.weight.detach().clone()
+    state = {k: v.clone() for k, v in optimizer.state[layer.weight].items()}
+    with pytest.raises(RuntimeError, match=r"was made for another size.*del optimizer\.state"):
+        step(features)
+    assert torch.equal(layer.weight.detach(), weight)
+    after = optimizer.state[layer.weight]
+    assert sorted(after) == sorted(state) and all(torch.equal(after[k], state[k]) for k in state)
+    del optimizer.state[layer.weight]
+    step(features)
+    assert not torch.equal(layer.weight.detach(), weight)
