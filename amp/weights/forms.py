@@ -158,6 +158,18 @@ class StateForm:
         moments = "torch" if not in_form else "fp32" if in_form == FP32 else self.moments
         for moment, signed in self.moment_names:
             keys = self.keys(moment, in_form)
+            others = {
+                key: value
+                for key, value in entry.items()
+                if key not in keys and _moment_of(key) == moment
+            }
+            if others:  # another form's beside this one's: a checkpoint merged over the state a
+                # step made first (torch's full state dicts do): the checkpoint's is the value
+                values = _values(others, moment, signed)
+                if values is not None:
+                    dtype = torch.float32 if in_form else param.dtype
+                    out.update(self._encoded(moment, values.to(dtype), signed, in_form))
+                    continue
             held = [entry.get(key) for key in keys]
             if all(isinstance(value, torch.Tensor) for value in held) and _stored(
                 keys, held, moments, signed, param

@@ -401,3 +401,38 @@ def test_torchs_distributed_checkpoint_saves_and_loads_o2_bit_for_bit(form, tmp_
         assert a.dtype == b.dtype and torch.equal(a, b)
     for (key_a, a), (key_b, b) in zip(resumed[1], uninterrupted[1], strict=True):
         assert key_a == key_b and a.dtype == b.dtype and torch.equal(a, b), key_a
+
+
+@pytest.mark.usefixtures("deinitialized", "one_rank_group")
+@pytest.mark.parametrize("source, target", [("exact", "compact-int8"), ("compact-int8", "exact")])
+def test_a_full_state_dict_of_another_form_loads_its_moments(source, target):
+    """torch's full state dicts (StateDictOptions(full_state_dict=True)) are merged over the
+    state a step of the target run made first: an entry then holds the target form's zero
+    moments beside the checkpoint's in another form, and the checkpoint's are the values."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    model, optimizer = _dcp_run(source)
+    _dcp_steps(model, optimizer, range(2))
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=full)  # amp's form
+    optimizer_state = copy.deepcopy(optimizer_state)
+    amp.deinitialize()
+    _, plain = get_state_dict(model, optimizer, options=full)  # torch's, FP32
+    want = {name: entry["exp_avg"] for name, entry in plain["state"].items()}
+
+    model, optimizer = _dcp_run(target)
+    set_state_dict(
+        model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+        options=full,
+    )
+    amp.deinitialize()
+    _, loaded = get_state_dict(model, optimizer, options=full)
+    for name, moment in want.items():
+        got = loaded["state"][name]["exp_avg"]
+        assert got.abs().sum() > 0, name
+        # 8-bit codes hold a moment within a code's width of its FP32 value
+        assert torch.allclose(got, moment, rtol=0.05, atol=1e-3 * moment.abs().max()), name
