@@ -218,8 +218,8 @@ def _plan(owner):
                 for key, value in () if entry is None else entry.items():  # any form's
                     if key != "step" and not key.endswith("_scales"):
                         _check_size(optimizer, param, value, key)
-        elif sized is not None and list(map(_NUMEL, map(operator.itemgetter(sized), states))) != (
-            list(map(_NUMEL, call.params))
+        elif sized is not None and list(map(_SHAPE, map(operator.itemgetter(sized), states))) != (
+            list(map(_SHAPE, call.params))
         ):
             for param, entry in zip(call.params, states):
                 _check_size(optimizer, param, entry[sized], sized)
@@ -227,9 +227,9 @@ def _plan(owner):
 
 
 def _check_size(optimizer, param, moment, key):
-    """Refuse, changing nothing, a parameter whose state was made for another size: new data of
-    another shape (`param.data = ...`), which torch's own step refuses too."""
-    if moment.numel() != param.numel():
+    """Refuse, changing nothing, a parameter whose state was made for another shape: new data
+    of another shape (`param.data = ...`), which torch's own step refuses too."""
+    if moment.shape != param.shape:
         number, index = next(
             (n, i)
             for n, group in enumerate(optimizer.param_groups)
@@ -237,11 +237,10 @@ def _check_size(optimizer, param, moment, key):
             if p is param
         )
         raise RuntimeError(
-            f"optimizer.step(): param_groups[{number}]['params'][{index}] has "
-            f"{param.numel()} elements (shape {tuple(param.shape)}), and its optimizer state "
-            f"({key}: {moment.numel()} elements) was made for another size: new data of another "
-            "shape in the parameter (param.data = ...) leaves state that does not fit it. Nothing "
-            "was changed. Drop its state (del optimizer.state[param]) to start it afresh, or "
+            f"optimizer.step(): param_groups[{number}]['params'][{index}] has shape "
+            f"{tuple(param.shape)}, and its optimizer state ({key}: {tuple(moment.shape)}) was "
+            "made for another shape: new data of another shape in the parameter (param.data = "
+            "...) leaves state that does not fit it. Nothing was changed. Drop its state (del optimizer.state[param]) to start it afresh, or "
             "load a checkpoint made for the new shape."
         )
 

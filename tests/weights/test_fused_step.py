@@ -539,8 +539,10 @@ def test_numpy_floats_are_numbers_to_the_fused_step(fused_calls):
 
 @pytest.mark.usefixtures("deinitialized")
 @pytest.mark.parametrize("form", ["exact", "compact-int8", "compact-bf16"])
-@pytest.mark.parametrize("features", [64, 16], ids=["grown", "shrunk"])
-def test_state_made_for_another_size_is_refused_changing_nothing(form, features):
+@pytest.mark.parametrize(
+    "shape", [(64, 64), (64, 16), (32, 64)], ids=["grown", "shrunk", "same size"]
+)
+def test_state_made_for_another_shape_is_refused_changing_nothing(form, shape):
     """New data of another shape in a parameter (`param.data = ...`) after its state was made:
     the step raises as torch's own does, changing no state, and steps again once the state is
     dropped (with int8, rows of 16 hold FP32 moments: the codes left behind do not fit either)."""
@@ -561,14 +563,17 @@ def test_state_made_for_another_size_is_refused_changing_nothing(form, features)
 
     for _ in range(2):
         step(32)
-    layer.weight.data = torch.randn(64, features, dtype=torch.bfloat16) * 0.1
+    layer.weight.data = torch.randn(*shape, dtype=torch.bfloat16) * 0.1
+    layer.bias.data = layer.bias.data[: shape[0]].clone()
     weight = layer.weight.detach().clone()
     state = {k: v.clone() for k, v in optimizer.state[layer.weight].items()}
-    with pytest.raises(RuntimeError, match=r"was made for another size.*del optimizer\.state"):
-        step(features)
+    with pytest.raises(RuntimeError, match=r"made for another shape.*del optimizer\.state"):
+        step(shape[1])
     assert torch.equal(layer.weight.detach(), weight)
     after = optimizer.state[layer.weight]
     assert sorted(after) == sorted(state) and all(torch.equal(after[k], state[k]) for k in state)
     del optimizer.state[layer.weight]
-    step(features)
+    if shape[0] != 64:
+        del optimizer.state[layer.bias]
+    step(shape[1])
     assert not torch.equal(layer.weight.detach(), weight)
