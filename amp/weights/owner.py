@@ -25,6 +25,7 @@ shard: the kernels take their local shards (`sharded`), and each shard's start i
 tensor, from which a second moment's stochastic rounding is drawn (distributed.shard_start).
 """
 
+import threading
 import weakref
 
 import torch
@@ -71,6 +72,9 @@ class StateOwner(Rows):
         # master gradient on it (a list of master params taken once clips every step)
         self._handed_weak = {}
         self._handed_from = {}  # {row: the gradient its value's was made from}
+        # The thread that trains (amp.initialize's): the gradients are its step's, and only its
+        # amp.master_params hands them out (another thread's reads the values alone).
+        self.thread = threading.get_ident()
         self.copies = {}  # {row: (the model's .grad amp placed as a copy, its version)}
         # Some rows are DTensors (FSDP2's shards): the kernels take their local shards
         self.sharded = False
@@ -288,11 +292,15 @@ class StateOwner(Rows):
 
     def master_params(self):
         """What amp.master_params yields: for each parameter of the groups, its FP32 value lent
-        (rows.lend) with its FP32 master gradient on it, or a plain parameter itself."""
+        (rows.lend) with its FP32 master gradient on it, or a plain parameter itself. In another
+        thread than the one that trains, the values without gradients: handing a gradient out
+        makes it (from kept scaled ones) and notes it for the step, the training thread's own."""
         index = self.index
         groups = self.optimizer.param_groups
         params = [p for group in groups for p in group["params"]]
         rows = [index.get(id(p)) for p in params]
+        if threading.get_ident() != self.thread:  # a reader's: the values, lent, no gradient
+            return [param if row is None else self.lend(row) for param, row in zip(params, rows)]
         values = iter(self._hand([row for row in rows if row is not None]))
         return [param if row is None else next(values) for param, row in zip(params, rows)]
 

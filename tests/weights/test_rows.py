@@ -76,9 +76,43 @@ def test_reading_the_model_optimizer_and_masters_in_a_step_post_hook_changes_no_
 
 
 @pytest.mark.parametrize("form", list(FORMS))
+def test_master_params_in_another_thread_hands_out_values_and_no_gradient(form):
+    """amp.master_params called by another thread between a backward and the step: the FP32
+    values without gradients (handing one out makes it and notes it for the step, which is the
+    training thread's), and the step is the one without the call."""
+    *_, plain = _trained(form, steps=3)
+    amp.deinitialize()
+    handed = []
+
+    def read(optimizer):
+        handed.extend((v.dtype, v.dim(), v.grad) for v in amp.master_params(optimizer))
+
+    def read_in_a_thread(model, optimizer):
+        thread = threading.Thread(target=read, args=(optimizer,))
+        thread.start()
+        thread.join()
+
+    model = make_model(inputs=WIDTH, hidden=4 * WIDTH, outputs=WIDTH, batch_norm=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0, **FORMS[form]
+    )
+    optimizer.register_step_pre_hook(lambda *_: read_in_a_thread(model, optimizer))
+    for step in range(3):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step, inputs=WIDTH, outputs=WIDTH), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    cast = [grad for dtype, dim, grad in handed if dtype is torch.float32 and dim == 2]
+    assert cast and all(grad is None for grad in cast)
+    _assert_same_bits(_raw(model, optimizer), plain)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 def test_state_dicts_taken_from_another_thread_during_training_change_no_bit(form):
-    """A checkpointing or metrics thread reading the model and the optimizer while the training
-    thread steps (weights moved by up to 5e-3 after ~200 reads before)."""
+    """A checkpointing or metrics thread reading the model, the optimizer and amp.master_params
+    (its values: the gradients are the training thread's to hand out) while the training thread
+    steps (weights moved by up to 5e-3 after ~200 reads before)."""
     *_, plain = _trained(form, steps=30, lr=1e-2)
     amp.deinitialize()
     stop, reads, failures = threading.Event(), [], []
@@ -90,6 +124,7 @@ def test_state_dicts_taken_from_another_thread_during_training_change_no_bit(for
                 try:
                     holder["model"].state_dict()
                     holder["optimizer"].state_dict()
+                    list(amp.master_params(holder["optimizer"]))
                     reads.append(1)
                 except Exception as error:  # noqa: BLE001 - reported below
                     failures.append(error)
