@@ -240,8 +240,9 @@ def _check_size(optimizer, param, moment, key):
             f"optimizer.step(): param_groups[{number}]['params'][{index}] has shape "
             f"{tuple(param.shape)}, and its optimizer state ({key}: {tuple(moment.shape)}) was "
             "made for another shape: new data of another shape in the parameter (param.data = "
-            "...) leaves state that does not fit it. Nothing was changed. Drop its state (del optimizer.state[param]) to start it afresh, or "
-            "load a checkpoint made for the new shape."
+            "...) leaves state that does not fit it. Nothing was changed. Drop its state "
+            "(del optimizer.state[param]) to start it afresh, or load a checkpoint made for the "
+            "new shape."
         )
 
 

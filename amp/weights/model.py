@@ -139,13 +139,12 @@ def cast_model(model, dtype, keep_batchnorm_fp32, form, ledger):
                         value = torch.empty_like(current.data, dtype=torch.float32)
                         set_data(current, value.copy_(rows.value_with(row, current.detach())))
                     continue
-                if param.dtype is not torch.float32:
-                    rows, row = copies.find(param)
-                    if rows is None:
-                        set_data(param, param.data.float())
-                    else:  # in the parameter's own layout
-                        value = torch.empty_like(param.data, dtype=torch.float32)
-                        set_data(param, value.copy_(rows.value(row)))
+                rows, row = copies.find(param)
+                if rows is not None:  # in the parameter's own layout (FP32 too: model.float())
+                    value = torch.empty_like(param.data, dtype=torch.float32)
+                    set_data(param, value.copy_(rows.value(row)))
+                elif param.dtype is not torch.float32:
+                    set_data(param, param.data.float())
                 if param.grad is not None and param.grad.dtype is not torch.float32:
                     param.grad = param.grad.float()
             for row, (module, name) in enumerate(buffers.places):

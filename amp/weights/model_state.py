@@ -170,7 +170,7 @@ class FP32StateDict:
         for owner, owner_prefix in copies.walk(module, prefix):
             for name, param in owner._parameters.items():
                 value = state_dict.get(owner_prefix + name)
-                if _low(value, param):
+                if _low(value, param) or _converted(value, param, copies):
                     state_dict[owner_prefix + name] = self._param_value(owner, name, param)
             rows = buffers.rows.get(owner, {})
             for name, buffer in owner._buffers.items():
@@ -198,6 +198,17 @@ class FP32StateDict:
             made = handed.add(owner, name, param.detach().float())
         handed.sync_row(made)
         return handed.masters[made].detach()
+
+
+def _converted(value, param, copies):
+    """Whether a state-dict entry is an FP32 parameter that holds a row's rest (the model was
+    converted: model.float()): its value is the row's, the master."""
+    return (
+        value is not None
+        and value is not param
+        and value.dtype is torch.float32
+        and copies.find(param)[0] is not None
+    )
 
 
 def _low(value, tensor):

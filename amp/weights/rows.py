@@ -154,16 +154,21 @@ class Rows:
     def _moved(self, row):
         """Whether the row's parameter holds new data that no in-place write made (its version
         unchanged): a move of the model (model.cpu(), .cuda(), a layout), or an assignment to
-        `.data`. A remainder or correction is kept with it (within half a weight's ulp of any
+        `.data`; also a conversion to FP32 (model.float()) whose values the weight's dtype holds
+        exactly. A remainder or correction is kept with it (within half a weight's ulp of any
         weight, it holds the moved one's value exactly); an FP32 master is compared element by
         element as after any write."""
         param, rest = self.params[row], self.rest(row)
-        return (
-            self.form.name != FP32
-            and param._version == self.marks[0][row]
-            and param.dtype is self.form.dtype
-            and param.shape == rest.shape
-        )
+        if (
+            self.form.name == FP32
+            or param._version != self.marks[0][row]
+            or param.shape != rest.shape
+        ):
+            return False
+        if param.dtype is self.form.dtype:
+            return True
+        data = param.detach()
+        return data.dtype is torch.float32 and torch.equal(data.to(self.form.dtype).float(), data)
 
     def value(self, row):
         """The row's FP32 value (an FP32 master: the tensor itself while nothing outside amp
@@ -173,7 +178,7 @@ class Rows:
         if rest.device != param.device:
             rest = rest.to(param.device)
         if moved or not self.param_written(row) or self._rest_written(row):
-            return self.form.decode(param.detach(), rest)
+            return self.form.decode(param.detach().to(self.form.dtype), rest)
         if param.dtype not in LOW_PRECISION or param.shape != rest.shape:
             return param.detach().float()  # new data of another dtype or shape: the value
         if self.form.name != FP32:
@@ -203,7 +208,7 @@ class Rows:
         pending = self.lent.pending(id(self.params[row])) if self.lent.keys else None
         if pending is not None:
             return self.form.encode(pending.detach())[1]
-        if self.param_written(row):
+        if self.param_written(row) and not self._moved(row):
             param = self.params[row]
             return self.value(row) if self.form.name == FP32 else self.form.empty_rest(param)
         return self.rest(row).detach()

@@ -71,7 +71,7 @@ def test_reading_the_model_optimizer_and_masters_in_a_step_post_hook_changes_no_
     _assert_same_bits(read, plain)
     if form == "compact-int8":  # the corrections are alive: the test can tell
         saved = optimizer.state_dict()["state"].values()
-        corrections = [entry["master_correction"] for entry in saved if "master_correction" in entry]
+        corrections = [e["master_correction"] for e in saved if "master_correction" in e]
         assert sum(int(c.count_nonzero()) for c in corrections) > 100
 
 
@@ -238,3 +238,21 @@ def test_a_layout_conversion_of_the_model_keeps_the_masters(form):
     amp.deinitialize()
     for param, master in zip(model.parameters(), masters):
         assert param.dtype is torch.float32 and torch.equal(param.detach(), master)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_model_converted_to_fp32_keeps_its_masters(form):
+    """model.float() (an FP32 export or eval) converts the weights to the same values in FP32:
+    the rests still hold, so the state dicts taken then are the masters' and the rests, and
+    deinitialize gives the masters."""
+    model, optimizer, _ = _trained(form, steps=2)
+    masters = {k: v.clone() for k, v in model.state_dict().items()}
+    rests = [rest.clone() for rest in vars(optimizer)["_amp_record"].owner.rests()]
+    model.float()
+    converted = model.state_dict()
+    assert all(torch.equal(converted[k], v) for k, v in masters.items())
+    key = "master_remainder" if form == "exact" else "master_correction"
+    saved = [e[key] for _, e in sorted(optimizer.state_dict()["state"].items()) if key in e]
+    assert len(saved) == len(rests) and all(map(torch.equal, saved, rests))
+    amp.deinitialize()
+    assert all(torch.equal(p, masters[k]) for k, p in model.state_dict().items())
