@@ -10,7 +10,7 @@ import operator
 import torch
 
 from . import _cupy_device as cuda
-from . import _layout, _torch_backend
+from . import _layout, _sources, _torch_backend
 from ._cupy_compact import adam_step_ as compact_adam_step_
 from ._cupy_compact import sgd_step_ as compact_sgd_step_
 from ._torch_backend import NONES
@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 check = cuda.check  # compiles for the current GPU (the probe of amp.kernels.cuda_backend)
-_TYPE_NAMES = cuda.TYPE_NAMES
+_TYPE_NAMES = _sources.TYPE_NAMES
 _grouped, _pick = cuda.grouped, cuda.pick
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
@@ -191,7 +191,7 @@ def check_(tensors, found_inf):
 def _step_groups(grads, lows, *state):
     """{(gradient dtype, low dtype or None): indices} of the rows a fused kernel takes (every
     tensor contiguous, the master and its state float32, the gradient and weight types a kernel
-    is built for: cuda.STEP_TYPES), and the rows left to the torch backend: those, and the empty
+    is built for: _sources.STEP_TYPES), and the rows left to the torch backend: those, and the empty
     ones (launches leave them out, and torch counts their steps too)."""
     groups, rest = _grouped(grads, *state, *([lows] if lows is not None else []))
     numels = list(map(_numel, grads))
@@ -208,7 +208,7 @@ def _step_groups(grads, lows, *state):
     for key, indices in groups.items():
         grad_type, low_type = key[0], key[-1] if lows is not None else None
         state_types = key[1 : len(state) + 1]
-        built = (grad_type, low_type or torch.float32) in cuda.STEP_TYPES
+        built = (grad_type, low_type or torch.float32) in _sources.STEP_TYPES
         if all(t is torch.float32 for t in state_types) and built:
             taken[(grad_type, low_type)] = indices
         else:

@@ -7,13 +7,13 @@ correction and the moments' codes in one pass, with the torch backend's bits
 
 import torch
 
-from . import _codecs, _torch_backend
+from . import _codecs, _sources, _torch_backend
 from . import _cupy_device as cuda
 
 __all__ = ["adam_step_", "sgd_step_"]
 
 _LOWS = (torch.float16, torch.bfloat16)
-_RESTS = {torch.int8: cuda.COMPACT, torch.int16: cuda.REMAINDER}  # a master's rest: its kind
+_RESTS = {torch.int8: _sources.COMPACT, torch.int16: _sources.REMAINDER}  # a master's rest: its kind
 _KINDS = frozenset(_RESTS.values())
 
 
@@ -66,10 +66,10 @@ def _compact_groups(grads, masters, lows, moments):
     for i, grad in enumerate(grads):
         numel = grad.numel()
         key = None
-        if numel and grad.dtype in cuda.TYPE_NAMES and grad.is_contiguous():
+        if numel and grad.dtype in _sources.TYPE_NAMES and grad.is_contiguous():
             master = _master_kind(i, grad.dtype, numel, masters, lows)
             moment = _moment_kind(i, numel, moments) if moments else torch.float32
-            if (grad.dtype, master) in cuda.COMPACT_MASTERS and moment is not None:
+            if (grad.dtype, master) in _sources.COMPACT_MASTERS and moment is not None:
                 key = (grad.dtype, master, moment)
         if key is None:
             rest.append(i)
@@ -155,7 +155,7 @@ def adam_step_(
         key = ("compact_adam", grad_type, master, moment, *_list_ends(master, masters, lows, indices))
         launches = cuda.planned(key, device, pointers, [grads[i].numel() for i in indices])
         cuda.run(
-            cuda.compact_kernel("amp_compact_adam", grad_type, master, moment),
+            _sources.compact_kernel("amp_compact_adam", grad_type, master, moment),
             launches,
             arguments,
             index,
@@ -202,7 +202,7 @@ def sgd_step_(grads, lows, masters, buffers, scales, inv_scale, found_inf, optio
         key = ("compact_sgd", grad_type, master, moment, *_list_ends(master, masters, lows, indices))
         launches = cuda.planned(key, device, pointers, [grads[i].numel() for i in indices])
         cuda.run(
-            cuda.compact_kernel("amp_compact_sgd", grad_type, master, moment),
+            _sources.compact_kernel("amp_compact_sgd", grad_type, master, moment),
             launches,
             arguments,
             index,

@@ -15,13 +15,6 @@ from . import _layout, _sources
 
 __all__ = [
     "PARAM_BYTES_ENV",
-    "TYPE_NAMES",
-    "STEP_TYPES",
-    "COMPACT",
-    "REMAINDER",
-    "COMPACT_MASTERS",
-    "MOMENT_NAMES",
-    "compact_kernel",
     "SUPPORTED_PAIRS",
     "nvrtc_version",
     "on_gpu",
@@ -36,13 +29,6 @@ __all__ = [
 ]
 
 PARAM_BYTES_ENV = "AMP_KERNEL_PARAM_BYTES"  # force the 4 KB layout on GPUs that allow 32 KB
-TYPE_NAMES = _sources.TYPE_NAMES
-STEP_TYPES = _sources.STEP_TYPES
-COMPACT = _sources.COMPACT
-REMAINDER = _sources.REMAINDER
-COMPACT_MASTERS = _sources.COMPACT_MASTERS
-MOMENT_NAMES = _sources.MOMENT_NAMES
-compact_kernel = _sources.compact_kernel
 SUPPORTED_PAIRS = frozenset(_layout.DTYPE_PAIRS)
 
 
@@ -197,14 +183,14 @@ def grouped(*lists):
     distinct = set(keys)
     if (
         len(distinct) == 1
-        and set(keys[0]) <= TYPE_NAMES.keys()
+        and set(keys[0]) <= _sources.TYPE_NAMES.keys()
         and all(map(_is_contiguous, itertools.chain.from_iterable(lists)))
     ):
         return {keys[0]: None}, []  # the step's case: one dtype per list, all contiguous
     ready = list(map(all, zip(*[map(_is_contiguous, tensors) for tensors in lists])))
     groups, rest = {}, []
     for index, key in enumerate(keys):
-        if ready[index] and set(key) <= TYPE_NAMES.keys():
+        if ready[index] and set(key) <= _sources.TYPE_NAMES.keys():
             groups.setdefault(key, []).append(index)
         else:
             rest.append(index)

@@ -10,14 +10,14 @@ from typing import Sequence
 import cupy
 import torch
 
-from . import _cupy_device, _float8_layout
+from . import _cupy_device, _float8_layout, _sources
 
 __all__ = ["gpu", "cast", "scale_outer_"]
 
 _SOURCE = pathlib.Path(__file__).with_name("float8.cu").read_text()
 _THREADS = _float8_layout.THREADS
 _BLOCKS_PER_MULTIPROCESSOR = 8  # then the blocks loop over the tiles
-_TYPE_NAMES = _cupy_device.TYPE_NAMES
+_TYPE_NAMES = _sources.TYPE_NAMES
 _FORMATS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _NAMES = (
     [f"amp_f8_amax<{name}>" for name in _TYPE_NAMES.values()]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from amp import kernels
-from amp.kernels import _codecs, _torch_backend
+from amp.kernels import _codecs, _sources, _torch_backend
 from helpers import ROOT, fake_cupy
 from helpers.cuda_emulation import build
 from helpers.floats import bits
@@ -237,29 +237,28 @@ def assert_same_bits(actual, expected):
             assert torch.equal(x, y), (key, i, (x != y).nonzero()[:5].flatten().tolist())
 
 
-def expected_kernels(module, kernel_name, state, grad_dtype, moments, first_step=False):
+def expected_kernels(kernel_name, state, grad_dtype, moments, first_step=False):
     """The kernels a step launches: one per (gradient, master) kind of its rows (an exact master
     without a copy takes the kernel of its gradient's type: its pointer is null); FP32 masters
     with FP32 moments and a copy of the gradient's type take amp_adam / amp_sgd (but for SGD's
     first step, which they do not make)."""
     moment = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[moments]
-    cuda = module.cuda
     rest = state["masters"][0].dtype
     if rest in (torch.int8, torch.int16):
-        return {cuda.compact_kernel(kernel_name, grad_dtype, _KIND[rest](cuda), moment)}
+        return {_sources.compact_kernel(kernel_name, grad_dtype, _KIND[rest], moment)}
     names = set()
     for low in state["lows"]:
         copy = torch.float32 if low is None else low.dtype  # float32: none
-        if moment is torch.float32 and (grad_dtype, copy) in cuda.STEP_TYPES and not first_step:
+        if moment is torch.float32 and (grad_dtype, copy) in _sources.STEP_TYPES and not first_step:
             plain = kernel_name.replace("compact_", "")
-            names.add(f"{plain}<{cuda.TYPE_NAMES[grad_dtype]}, {cuda.TYPE_NAMES[copy]}>")
+            names.add(f"{plain}<{_sources.TYPE_NAMES[grad_dtype]}, {_sources.TYPE_NAMES[copy]}>")
         else:  # without a copy: the gradient's type (the copy's pointer is null)
             kind = grad_dtype if low is None else copy
-            names.add(cuda.compact_kernel(kernel_name, grad_dtype, kind, moment))
+            names.add(_sources.compact_kernel(kernel_name, grad_dtype, kind, moment))
     return names
 
 
-_KIND = {torch.int8: lambda cuda: cuda.COMPACT, torch.int16: lambda cuda: cuda.REMAINDER}
+_KIND = {torch.int8: _sources.COMPACT, torch.int16: _sources.REMAINDER}
 _COUNTS = {"amp_compact_adam": "amp_compact_count_steps", "amp_adam": "amp_count_steps"}
 
 
@@ -283,9 +282,7 @@ def test_the_compact_adam_kernel_is_the_torch_backend_bit_for_bit(
     assert_same_bits(stepped, oracle(run_adam, state, **options))
     assert [s.item() for s in stepped["steps"]] == [4.0 + i for i in range(len(SIZES))]
     launched = kernel.launched()
-    assert set(launched[::2]) == expected_kernels(
-        kernel, "amp_compact_adam", state, grad_dtype, moments
-    )
+    assert set(launched[::2]) == expected_kernels("amp_compact_adam", state, grad_dtype, moments)
     assert launched[1::2] == [_COUNTS[name.split("<")[0]] for name in launched[::2]]
 
 
@@ -332,7 +329,7 @@ def test_the_compact_sgd_kernel_is_the_torch_backend_bit_for_bit(kernel, moments
             assert_same_bits(stepped, expected)
             held = moments if options["momentum"] else "fp32"  # no buffers: the FP32 kernels
             expected_names |= expected_kernels(
-                kernel, "amp_compact_sgd", state, grad_dtype, held, first_step
+                "amp_compact_sgd", state, grad_dtype, held, first_step
             )
     assert set(kernel.launched()) == expected_names
 
