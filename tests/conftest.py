@@ -10,6 +10,7 @@ from amp.casting import torch_autocast, torchscript
 from amp._state import INHERIT, amp_state
 from helpers import HAS_CUDA, REQUIRE_CUDA
 from helpers.models import make_model
+from helpers.state import torch_autocast_state
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,17 +45,6 @@ def _patchable_attributes():
     for namespace, name, _ in torchscript.patches():  # TorchScript's resolvers
         found[(namespace.__name__, name)] = vars(namespace).get(name)
     return found
-
-
-def _torch_autocast_state():
-    """torch's own autocast state in this thread, which amp's casting sets."""
-    return (
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-        torch.is_autocast_cache_enabled(),
-    )
 
 
 _TORCH_DEFAULTS = (False, False, torch.bfloat16, torch.float16, True)
@@ -92,7 +82,7 @@ def no_amp_leak():
         amp_state.user_registrations.update(registrations)
     if amp_state.thread.trace is not None:
         problems.append("a trace is still active")
-    native = _torch_autocast_state()
+    native = torch_autocast_state()
     if native != _TORCH_DEFAULTS:
         problems.append(f"torch's autocast state is {native}, not its defaults")
         torch.set_autocast_enabled("cpu", False)

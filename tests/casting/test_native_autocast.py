@@ -8,16 +8,7 @@ import torch
 
 from amp._state import amp_state
 from amp.casting import native_autocast as native
-
-
-def _state():
-    return (
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-        torch.is_autocast_cache_enabled(),
-    )
+from helpers.state import torch_autocast_state
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -25,11 +16,11 @@ def _state():
 def test_enter_on_sets_both_devices_as_torchs_setters_would_and_exit_on_undoes_it(
     dtype, cache_enabled
 ):
-    before = _state()
+    before = torch_autocast_state()
     saved = native.enter_on(dtype, cache_enabled)
-    assert _state() == (True, True, dtype, dtype, cache_enabled)
+    assert torch_autocast_state() == (True, True, dtype, dtype, cache_enabled)
     assert native.exit_on(saved)  # the outermost region
-    assert _state() == before
+    assert torch_autocast_state() == before
     native.increment_nesting()  # inside another region, it is not the outermost
     try:
         assert not native.exit_on(native.enter_on(dtype, cache_enabled))
@@ -38,15 +29,15 @@ def test_enter_on_sets_both_devices_as_torchs_setters_would_and_exit_on_undoes_i
 
 
 def test_switch_changes_only_its_targets_and_restore_puts_them_back():
-    before = _state()
+    before = torch_autocast_state()
     outer = native.switch(native.TARGETS["cpu", torch.bfloat16], True)
     inner = native.switch((("cpu", None), ("cuda", torch.float16)), False)
-    assert _state() == (False, True, torch.bfloat16, torch.float16, False)
+    assert torch_autocast_state() == (False, True, torch.bfloat16, torch.float16, False)
     assert inner[2] is False  # cuda's dtype was float16 already
     native.restore(inner)
-    assert _state() == (True, False, torch.bfloat16, torch.float16, True)
+    assert torch_autocast_state() == (True, False, torch.bfloat16, torch.float16, True)
     native.restore(outer)
-    assert _state() == before
+    assert torch_autocast_state() == before
 
 
 def test_writing_a_threads_policy_to_none_excludes_torchs_autocast_until_it_is_put_back():

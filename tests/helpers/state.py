@@ -92,3 +92,15 @@ def scaled_step(model, optimizer, overflow=False):
             next(model.parameters()).grad[0, 0] = float("inf")
     optimizer.step()
     optimizer.zero_grad()
+
+
+def torch_autocast_state():
+    """torch's own autocast state in this thread (what amp's casting sets): enabled on cpu and
+    cuda, their dtypes, the cache flag."""
+    return (
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_autocast_dtype("cuda"),
+        torch.is_autocast_cache_enabled(),
+    )
