@@ -216,17 +216,17 @@ def _plan(owner):
                 if entry is None or not all(key in entry for key in needed):
                     first.append((param, call.momentum, call.in_form))
                 for key, value in () if entry is None else entry.items():  # any form's
-                    if key != "step" and not key.endswith("_scales"):
-                        _check_size(optimizer, param, value, key)
+                    if key != "step" and not key.endswith("_scales") and torch.is_tensor(value):
+                        _check_shape(optimizer, param, value, key)
         elif sized is not None and list(map(_SHAPE, map(operator.itemgetter(sized), states))) != (
             list(map(_SHAPE, call.params))
         ):
             for param, entry in zip(call.params, states):
-                _check_size(optimizer, param, entry[sized], sized)
+                _check_shape(optimizer, param, entry[sized], sized)
     return calls, first
 
 
-def _check_size(optimizer, param, moment, key):
+def _check_shape(optimizer, param, moment, key):
     """Refuse, changing nothing, a parameter whose state was made for another shape: new data
     of another shape (`param.data = ...`), which torch's own step refuses too."""
     if moment.shape != param.shape:
