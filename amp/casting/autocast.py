@@ -38,19 +38,19 @@ def disable_casts() -> Iterator[None]:
 
 _AMP_FORM = ("enabled", "dtype", "cache_enabled", "device_type")
 _TORCH_FORM = ("device_type", "dtype", "enabled", "cache_enabled")
-_KEYWORDS = frozenset(_AMP_FORM + ("float8",))
 _FLOAT16, _BFLOAT16 = torch.float16, torch.bfloat16
+_UNSET = object()  # a keyword not given: None is a value in torch's form (the device's dtype)
 
 
-def _merge_positional(args, kwargs, names):
-    """`kwargs` with the positional `args` added under `names` (amp's or torch's form)."""
+def _merge_positional(args, given, names):
+    """`given` (a keyword: its value or _UNSET) with the positional `args` added under `names`
+    (amp's or torch's form)."""
     if len(args) > len(names):
         raise TypeError(f"autocast takes at most {len(names)} positional arguments")
-    given = dict(zip(names, args))
-    for name in kwargs:
-        if name in given:
+    for name, value in zip(names, args):
+        if given[name] is not _UNSET:
             raise TypeError(f"autocast() got multiple values for argument {name!r}")
-    given.update(kwargs)
+        given[name] = value
     return given
 
 
@@ -108,19 +108,42 @@ class autocast:
 
     __slots__ = ("enabled", "dtype", "cache_enabled", "device_type", "float8", "_tokens")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        enabled: Any = _UNSET,
+        dtype: Any = _UNSET,
+        cache_enabled: Any = _UNSET,
+        device_type: Any = _UNSET,
+        float8: str | None = None,
+    ) -> None:
+        # Keywords bound by Python, positional forms merged only when given: a region should
+        # cost what torch's does, and most are built with keywords alone.
         torch_form = False
         if args:
             torch_form = isinstance(args[0], str)
-            kwargs = _merge_positional(args, kwargs, _TORCH_FORM if torch_form else _AMP_FORM)
-        for name in kwargs:  # read without calls: a region should cost what torch's does
-            if name not in _KEYWORDS:
-                raise TypeError(f"autocast() got an unexpected keyword argument {name!r}")
-        enabled = kwargs["enabled"] if "enabled" in kwargs else True
-        device_type = kwargs["device_type"] if "device_type" in kwargs else None
-        dtype = kwargs["dtype"] if "dtype" in kwargs else None
-        cache_enabled = kwargs["cache_enabled"] if "cache_enabled" in kwargs else None
-        float8 = kwargs["float8"] if "float8" in kwargs else None
+            given = _merge_positional(
+                args,
+                dict(
+                    enabled=enabled,
+                    dtype=dtype,
+                    cache_enabled=cache_enabled,
+                    device_type=device_type,
+                ),
+                _TORCH_FORM if torch_form else _AMP_FORM,
+            )
+            enabled = given["enabled"]
+            dtype = given["dtype"]
+            cache_enabled = given["cache_enabled"]
+            device_type = given["device_type"]
+        if enabled is _UNSET:
+            enabled = True
+        if device_type is _UNSET:
+            device_type = None
+        if dtype is _UNSET:
+            dtype = None
+        if cache_enabled is _UNSET:
+            cache_enabled = None
         if enabled is not True and enabled is not False:
             raise TypeError(f"autocast(enabled=...) must be a bool; got {enabled!r}.")
         if device_type is not None:
