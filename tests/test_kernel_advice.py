@@ -1,7 +1,8 @@
-"""amp.initialize warns once when O2's compact state will be stepped on CUDA without amp's CuPy
-kernels (amp/kernel_advice.py). No CUDA device exists here, so the check's two inputs are faked:
-whether the models are on CUDA (kernel_advice._on_cuda) and the backend amp.kernels chose
-(amp_state.cuda_kernels, which amp.kernels.cuda_backend() returns once probed)."""
+"""amp.initialize warns once when O2's compact state or a bf16 model's exact masters will be stepped
+on CUDA without amp's CuPy kernels (amp/kernel_advice.py). No CUDA device exists here, so the
+check's two inputs are faked: whether the models are on CUDA (kernel_advice._on_cuda) and the
+backend amp.kernels chose (amp_state.cuda_kernels, which amp.kernels.cuda_backend() returns once
+probed)."""
 
 import warnings
 
@@ -65,11 +66,36 @@ def test_compact_state_on_cuda_without_cupy_is_warned_once_with_the_cost(on_cuda
 def test_with_cupy_in_use_nothing_is_said(on_cuda):
     on_cuda(WITH_CUPY)
     assert advice(master_weights="compact", optimizer_state="int8") == []
+    assert advice() == []  # exact bf16 masters
 
 
-def test_exact_masters_without_cupy_are_not_warned(on_cuda):
+def test_exact_bf16_masters_without_cupy_are_warned_once_with_the_counts(on_cuda):
     on_cuda(WITHOUT_CUPY)
-    assert advice() == []  # FP32-valued masters and moments: the torch backend's step is fast
+    (warning,) = advice()  # a bf16 model's exact masters: its weights and int16 remainders
+    text = str(warning.message)
+    assert warning.filename == __file__
+    assert "exact masters" in text and "3,256 kernel launches" in text and "counted" in text
+    assert "pip install 'amp[cuda]'" in text
+    assert text.endswith(f"The CuPy backend is not in use: {WITHOUT_CUPY.reason}.")
+
+
+def test_fp32_masters_without_cupy_are_not_warned(on_cuda, monkeypatch):
+    on_cuda(WITHOUT_CUPY)
+    monkeypatch.setenv("AMP_FUSED_STEP", "0")  # the optimizer's own step on FP32 masters
+    assert advice() == []
+    monkeypatch.delenv("AMP_FUSED_STEP")
+    assert advice(master_weights=False) == []  # no masters: torch's own step of the weights
+
+
+def test_exact_fp16_masters_without_cupy_are_not_warned(on_cuda):
+    on_cuda(WITHOUT_CUPY)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp.initialize(model, optimizer, opt_level="O2", dtype=torch.float16, verbosity=0)
+    amp.deinitialize()
+    assert not [w for w in caught if "CuPy kernels" in str(w.message)]  # FP32 masters: fast
 
 
 def test_models_on_the_cpu_are_not_warned_and_the_backend_is_not_probed(monkeypatch):
