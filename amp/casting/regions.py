@@ -10,9 +10,14 @@ state of the thread that calls initialize (`begin_thread_policy`).
 import contextlib
 import warnings
 
+import torch
+
 from .._state import INHERIT, amp_state
 from . import native_autocast as native_state
 from .casts import KEEP, with_device
+
+# False eagerly, True while Dynamo traces (torch's readers there are constants)
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 __all__ = [
     "enter_scope",
@@ -93,7 +98,12 @@ def enter_region(device_type, dtype, cache_enabled, float8=KEEP):
     thread.own_policy = policy
     depth = thread.depth + 1  # kept: each read of a threading.local costs about 30 ns
     thread.depth = depth
-    if device_type is None and dtype is not None and not native_state.any_enabled():
+    if (
+        device_type is None
+        and dtype is not None
+        and not native_state.any_enabled()
+        and not _is_dynamo_compiling()  # Dynamo traces torch's setters, not the dispatch keys
+    ):
         native = native_state.enter_on(dtype, cache_enabled)  # a thread's first region
         dtype_changed = native[0] is not dtype or native[1] is not dtype
     else:

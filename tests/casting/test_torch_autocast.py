@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import amp
 from amp._state import amp_state
 from helpers import DTYPES, casting
+from helpers.state import torch_autocast_state
 
 LOW = pytest.mark.parametrize("dtype", DTYPES, ids=str)
 MODES = pytest.mark.parametrize("mode", ["O1", "autocast"])
@@ -508,6 +509,38 @@ def test_disable_casts_inside_a_compiled_function():
             cast, kept = compiled(x)
     assert (cast.dtype, kept.dtype) == (torch.bfloat16, torch.float32)
     assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device_type", [None, "cpu"])
+def test_a_region_opened_inside_a_compiled_function_is_one_graph(device_type):
+    """amp.autocast in the compiled code itself, either form: Dynamo traces the region's torch
+    setters (a thread's first region sets its two devices through their dispatch keys in eager
+    mode only), one graph that casts as eager does; the thread's state is as it was after."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    weight = torch.randn(8, 8)
+
+    def region(x):
+        with amp.autocast(dtype=torch.bfloat16, device_type=device_type):
+            inside = F.linear(x, weight)
+        return inside, F.linear(x, weight)
+
+    # Entered once before: a first region's install of the patches is not traceable, and a
+    # region policy first made in a trace (cached) recompiles the function once.
+    with amp.autocast(dtype=torch.bfloat16, device_type=device_type):
+        pass
+    before = torch_autocast_state()
+    compiled = torch.compile(region, fullgraph=True, backend="eager")
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        inside, after = compiled(x)
+    assert (inside.dtype, after.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(inside, F.linear(x.bfloat16(), weight.bfloat16()))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert torch_autocast_state() == before
     torch._dynamo.reset()
 
 
