@@ -10,31 +10,19 @@ Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before
 
 import contextlib
 import copy
-import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 import amp
 
-from . import flavours
+from . import flavours, options
 from .held import HeldGradients
 from .skips import SkipCount, checks_deciding
 
 __all__ = ["AmpPrecisionBehaviour"]
 
-_OPT_LEVELS = ("O0", "O1", "O2", "O3")
-_LOW_PRECISION = {torch.float16: "16", torch.bfloat16: "bf16"}
-# amp.initialize's own arguments that the plugin fills in itself.
-_TAKEN = ("models", "optimizers", "opt_level", "dtype")
 _DDP = torch.nn.parallel.DistributedDataParallel
-
-
-def _precision_name(opt_level: str, dtype: torch.dtype) -> str:
-    """Lightning's name for what the model computes in (ModelSummary, ThroughputMonitor read it)."""
-    if opt_level == "O0":
-        return "32-true"
-    return f"{_LOW_PRECISION[dtype]}-{'true' if opt_level == 'O3' else 'mixed'}"
 
 
 class AmpPrecisionBehaviour:
@@ -70,28 +58,13 @@ class AmpPrecisionBehaviour:
         log: bool = False,
         **initialize_kwargs: Any,
     ) -> None:
-        if opt_level not in _OPT_LEVELS:
-            raise ValueError(
-                f"AmpPrecision: unexpected opt_level {opt_level!r}; expected one of "
-                f"{', '.join(_OPT_LEVELS)} (the letter O, not zero)."
-            )
-        if dtype not in _LOW_PRECISION:
-            raise ValueError(
-                f"AmpPrecision: dtype must be torch.float16 or torch.bfloat16; got {dtype!r}."
-            )
-        accepted = set(inspect.signature(amp.initialize).parameters) - set(_TAKEN)
-        unknown = sorted(set(initialize_kwargs) - accepted)
-        if unknown:
-            raise TypeError(
-                f"AmpPrecision: {', '.join(unknown)} is not an argument of amp.initialize; "
-                f"accepted: {', '.join(sorted(accepted))}."
-            )
+        options.check(opt_level, dtype, initialize_kwargs)
         super().__init__()
         self.opt_level = opt_level
         self.dtype = dtype
         self.log = log
         self.initialize_kwargs = dict(initialize_kwargs)
-        self.precision = _precision_name(opt_level, dtype)
+        self.precision = options.precision_name(opt_level, dtype)
         self._skips = SkipCount()
         self._held = HeldGradients()  # several optimizers, none named: `backward`
         self._models: List[torch.nn.Module] = []  # the modules amp.initialize took
@@ -155,7 +128,7 @@ class AmpPrecisionBehaviour:
         self._models, self._optimizers = list(models), list(optimizers)
         properties = amp._amp_state.opt_properties  # None where enabled=False
         cast = getattr(properties, "cast_model_type", None)
-        self._input_dtype = cast if cast in _LOW_PRECISION else None
+        self._input_dtype = cast if cast in options.LOW_PRECISION else None
         if self._kept_state is not None:
             state, self._kept_state = self._kept_state, None
             self.load_state_dict(state)
@@ -405,7 +378,7 @@ def _writes_logs_now(trainer: Any) -> bool:
 
 
 def _cast_low_precision(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.dtype in _LOW_PRECISION else tensor
+    return tensor.to(dtype) if tensor.dtype in options.LOW_PRECISION else tensor
 
 
 def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:

@@ -503,13 +503,7 @@ def test_what_amp_refuses_is_refused_with_amps_message(one_rank_group):
     plugin.teardown()  # what the Trainer does after a failed set-up: nothing to undo
 
 
-def test_arguments_are_checked_when_the_plugin_is_made():
-    with pytest.raises(ValueError, match="the letter O"):
-        AmpPrecision(opt_level="02")
-    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
-        AmpPrecision(dtype=torch.float32)
-    with pytest.raises(TypeError, match="lossscale is not an argument of amp.initialize"):
-        AmpPrecision(lossscale=128.0)
+def test_an_lbfgs_step_is_refused():
     with pytest.raises(TypeError, match=r"LBFGS"):
         plugin = AmpPrecision("O1", verbosity=0)
         plugin._trainer_base = object
