@@ -16,7 +16,7 @@ import torch
 
 import amp
 
-from . import flavours, options
+from . import conversions, flavours, options
 from .held import HeldGradients
 from .skips import SkipCount, checks_deciding
 
@@ -188,18 +188,13 @@ class AmpPrecisionBehaviour:
         with Lightning's "bf16-true": training_step may call submodules directly."""
         if self._input_dtype is None:
             return data
-        from lightning_utilities import apply_to_collection
-
-        return apply_to_collection(data, torch.Tensor, _cast_floating, self._input_dtype)
+        return conversions.to_model_dtype(data, self._input_dtype)
 
     def convert_output(self, data: Any) -> Any:
         """Fabric's model outputs in FP32 (torch's default dtype), as from Lightning's mixed
         plugins: at O2/O3 amp's forward hook made them so already, at O1 the last op ran in
         `dtype`. float64 stays float64."""
-        from lightning_utilities import apply_to_collection
-
-        default = torch.get_default_dtype()
-        return apply_to_collection(data, torch.Tensor, _cast_low_precision, default)
+        return conversions.to_default_dtype(data)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -360,12 +355,6 @@ class AmpPrecisionBehaviour:
             )
 
 
-def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if tensor.is_floating_point() and tensor.dtype is not torch.float64:
-        return tensor.to(dtype)
-    return tensor
-
-
 def _writes_logs_now(trainer: Any) -> bool:
     """Whether this optimizer step is one the Trainer writes its logs at (``log_every_n_steps``),
     or the last of its epoch or of the run."""
@@ -375,10 +364,6 @@ def _writes_logs_now(trainer: Any) -> bool:
     if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
         return True
     return 0 <= trainer.max_steps <= trainer.global_step + 1
-
-
-def _cast_low_precision(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.dtype in options.LOW_PRECISION else tensor
 
 
 def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:
