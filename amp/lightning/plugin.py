@@ -16,7 +16,7 @@ import torch
 
 import amp
 
-from . import conversions, flavours, options
+from . import conversions, flavours, logs, options
 from .held import HeldGradients
 from .skips import SkipCount, checks_deciding
 
@@ -283,10 +283,8 @@ class AmpPrecisionBehaviour:
         checks = checks_deciding(optimizer)
         output = optimizer.step(**kwargs)
         self._skips.record(checks)  # learned once the checks' copies reach the host: no wait
-        if self.log and self._trainer_base is not None and _writes_logs_now(model.trainer):
-            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]  # waits for the copies
-            model.log("amp/loss_scale", float(scale), on_step=True, on_epoch=False)
-            model.log("amp/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+        if self.log and self._trainer_base is not None:
+            logs.log_step(model, self._skips)
         return output
 
     @property
@@ -353,17 +351,6 @@ class AmpPrecisionBehaviour:
                 f"AmpPrecision.{caller}: amp was not set up; with Fabric use "
                 "amp.lightning.setup(fabric, model, optimizer)."
             )
-
-
-def _writes_logs_now(trainer: Any) -> bool:
-    """Whether this optimizer step is one the Trainer writes its logs at (``log_every_n_steps``),
-    or the last of its epoch or of the run."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is None or connector.should_update_logs:
-        return True
-    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-        return True
-    return 0 <= trainer.max_steps <= trainer.global_step + 1
 
 
 def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:

@@ -546,14 +546,6 @@ def test_pytorch_lightning_trainer_takes_the_same_plugin():
     assert_same_tensors(capture.weights, expected["weights"])
 
 
-def test_log_puts_the_scale_and_the_skips_into_the_trainers_metrics():
-    plugin = AmpPrecision("O2", torch.bfloat16, log=True, verbosity=0)
-    run = trainer(plugin, max_steps=3)  # the last step of the run logs
-    run.fit(Regressor(overflow_at={1}), loader())
-    assert run.callback_metrics["amp/skipped_steps"].item() == 1.0
-    assert run.callback_metrics["amp/loss_scale"].item() == 32768.0
-
-
 def _waits_by_hand(opt_level, steps, overflow_at, far):
     """The host's waits in each step of the same training written by hand with amp."""
     net = make_net()
