@@ -3,9 +3,14 @@
 Written once for every copy of Lightning (flavours.py builds the class). The Trainer hands the
 plugin its LightningModule and optimizers in `connect`, after the model is on its device and, under
 DDP, already wrapped: amp.initialize then runs on the LightningModule itself and DDP is built again
-around the cast model (a DistributedDataParallel built for FP32 parameters would no longer reduce
-their gradients). Fabric hands a precision plugin only the module, never the optimizers, so with
-Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before `fabric.setup`.
+around the cast model (ddp.py: a DistributedDataParallel built for FP32 parameters would no longer
+reduce their gradients). Fabric hands a precision plugin only the module, never the optimizers,
+so with Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before
+`fabric.setup`.
+
+The hooks hand their parts on: options.py checks the arguments, conversions.py casts batches and
+outputs, skips.py counts skipped steps, held.py keeps the gradients a backward left scaled for a
+step, logs.py writes amp's metrics into the Trainer's logs.
 """
 
 import contextlib
@@ -16,7 +21,7 @@ import torch
 
 import amp
 
-from . import conversions, flavours, logs, options
+from . import conversions, ddp, flavours, logs, options
 from .held import HeldGradients
 from .skips import SkipCount, checks_deciding
 
@@ -144,7 +149,7 @@ class AmpPrecisionBehaviour:
         self.initialize(module, list(optimizers) if fitting else None)
         self._trainer_base = flavour.precision
         if isinstance(model, _DDP):
-            model = _wrap_again(trainer.strategy, module)
+            model = ddp.wrap_again(trainer.strategy, module)
             self._ddps = [model]
         if fitting:
             optimizers = flavours.lightning_optimizers(flavour, optimizers)
@@ -227,7 +232,7 @@ class AmpPrecisionBehaviour:
                 "AmpPrecision.backward: no optimizer was set up with the model, so no gradient "
                 "would be unscaled. Pass the optimizers to amp.lightning.setup / the Trainer."
             )
-        delay = any(not ddp.require_backward_grad_sync for ddp in self._ddps)
+        delay = any(not wrapper.require_backward_grad_sync for wrapper in self._ddps)
         untied = optimizer is None and len(self._optimizers) > 1
         if not untied:
             optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
@@ -351,20 +356,3 @@ class AmpPrecisionBehaviour:
                 f"AmpPrecision.{caller}: amp was not set up; with Fabric use "
                 "amp.lightning.setup(fabric, model, optimizer)."
             )
-
-
-def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:
-    """DistributedDataParallel built again around the cast module, as the strategy builds it.
-
-    The one the strategy built for FP32 parameters keeps buckets of their old dtype: it would
-    reduce nothing once amp has cast them (each rank training on alone).
-    """
-    if not hasattr(strategy, "configure_ddp"):
-        raise RuntimeError(
-            f"AmpPrecision: {type(strategy).__name__} wrapped the model in "
-            "DistributedDataParallel before amp.initialize could cast it, and AmpPrecision can "
-            "rebuild the wrapper only for Lightning's DDPStrategy."
-        )
-    strategy.model = module
-    strategy.configure_ddp()
-    return strategy.model
