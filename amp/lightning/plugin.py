@@ -3,38 +3,31 @@
 Written once for every copy of Lightning (flavours.py builds the class). The Trainer hands the
 plugin its LightningModule and optimizers in `connect`, after the model is on its device and, under
 DDP, already wrapped: amp.initialize then runs on the LightningModule itself and DDP is built again
-around the cast model (a DistributedDataParallel built for FP32 parameters would no longer reduce
-their gradients). Fabric hands a precision plugin only the module, never the optimizers, so with
-Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before `fabric.setup`.
+around the cast model (ddp.py: a DistributedDataParallel built for FP32 parameters would no longer
+reduce their gradients). Fabric hands a precision plugin only the module, never the optimizers,
+so with Fabric `amp.lightning.setup(fabric, model, optimizer)` calls `initialize` before
+`fabric.setup`.
+
+The hooks hand their parts on: options.py checks the arguments, conversions.py casts batches and
+outputs, skips.py counts skipped steps, held.py keeps the gradients a backward left scaled for a
+step, logs.py writes amp's metrics into the Trainer's logs.
 """
 
 import contextlib
 import copy
-import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 import amp
 
-from . import flavours
+from . import conversions, ddp, flavours, logs, options
 from .held import HeldGradients
 from .skips import SkipCount, checks_deciding
 
 __all__ = ["AmpPrecisionBehaviour"]
 
-_OPT_LEVELS = ("O0", "O1", "O2", "O3")
-_LOW_PRECISION = {torch.float16: "16", torch.bfloat16: "bf16"}
-# amp.initialize's own arguments that the plugin fills in itself.
-_TAKEN = ("models", "optimizers", "opt_level", "dtype")
 _DDP = torch.nn.parallel.DistributedDataParallel
-
-
-def _precision_name(opt_level: str, dtype: torch.dtype) -> str:
-    """Lightning's name for what the model computes in (ModelSummary, ThroughputMonitor read it)."""
-    if opt_level == "O0":
-        return "32-true"
-    return f"{_LOW_PRECISION[dtype]}-{'true' if opt_level == 'O3' else 'mixed'}"
 
 
 class AmpPrecisionBehaviour:
@@ -70,28 +63,13 @@ class AmpPrecisionBehaviour:
         log: bool = False,
         **initialize_kwargs: Any,
     ) -> None:
-        if opt_level not in _OPT_LEVELS:
-            raise ValueError(
-                f"AmpPrecision: unexpected opt_level {opt_level!r}; expected one of "
-                f"{', '.join(_OPT_LEVELS)} (the letter O, not zero)."
-            )
-        if dtype not in _LOW_PRECISION:
-            raise ValueError(
-                f"AmpPrecision: dtype must be torch.float16 or torch.bfloat16; got {dtype!r}."
-            )
-        accepted = set(inspect.signature(amp.initialize).parameters) - set(_TAKEN)
-        unknown = sorted(set(initialize_kwargs) - accepted)
-        if unknown:
-            raise TypeError(
-                f"AmpPrecision: {', '.join(unknown)} is not an argument of amp.initialize; "
-                f"accepted: {', '.join(sorted(accepted))}."
-            )
+        options.check(opt_level, dtype, initialize_kwargs)
         super().__init__()
         self.opt_level = opt_level
         self.dtype = dtype
         self.log = log
         self.initialize_kwargs = dict(initialize_kwargs)
-        self.precision = _precision_name(opt_level, dtype)
+        self.precision = options.precision_name(opt_level, dtype)
         self._skips = SkipCount()
         self._held = HeldGradients()  # several optimizers, none named: `backward`
         self._models: List[torch.nn.Module] = []  # the modules amp.initialize took
@@ -155,7 +133,7 @@ class AmpPrecisionBehaviour:
         self._models, self._optimizers = list(models), list(optimizers)
         properties = amp._amp_state.opt_properties  # None where enabled=False
         cast = getattr(properties, "cast_model_type", None)
-        self._input_dtype = cast if cast in _LOW_PRECISION else None
+        self._input_dtype = cast if cast in options.LOW_PRECISION else None
         if self._kept_state is not None:
             state, self._kept_state = self._kept_state, None
             self.load_state_dict(state)
@@ -171,7 +149,7 @@ class AmpPrecisionBehaviour:
         self.initialize(module, list(optimizers) if fitting else None)
         self._trainer_base = flavour.precision
         if isinstance(model, _DDP):
-            model = _wrap_again(trainer.strategy, module)
+            model = ddp.wrap_again(trainer.strategy, module)
             self._ddps = [model]
         if fitting:
             optimizers = flavours.lightning_optimizers(flavour, optimizers)
@@ -215,18 +193,13 @@ class AmpPrecisionBehaviour:
         with Lightning's "bf16-true": training_step may call submodules directly."""
         if self._input_dtype is None:
             return data
-        from lightning_utilities import apply_to_collection
-
-        return apply_to_collection(data, torch.Tensor, _cast_floating, self._input_dtype)
+        return conversions.to_model_dtype(data, self._input_dtype)
 
     def convert_output(self, data: Any) -> Any:
         """Fabric's model outputs in FP32 (torch's default dtype), as from Lightning's mixed
         plugins: at O2/O3 amp's forward hook made them so already, at O1 the last op ran in
         `dtype`. float64 stays float64."""
-        from lightning_utilities import apply_to_collection
-
-        default = torch.get_default_dtype()
-        return apply_to_collection(data, torch.Tensor, _cast_low_precision, default)
+        return conversions.to_default_dtype(data)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -259,7 +232,7 @@ class AmpPrecisionBehaviour:
                 "AmpPrecision.backward: no optimizer was set up with the model, so no gradient "
                 "would be unscaled. Pass the optimizers to amp.lightning.setup / the Trainer."
             )
-        delay = any(not ddp.require_backward_grad_sync for ddp in self._ddps)
+        delay = any(not wrapper.require_backward_grad_sync for wrapper in self._ddps)
         untied = optimizer is None and len(self._optimizers) > 1
         if not untied:
             optimizers = [flavours.unwrap_optimizer(optimizer)] if optimizer else self._optimizers
@@ -315,10 +288,8 @@ class AmpPrecisionBehaviour:
         checks = checks_deciding(optimizer)
         output = optimizer.step(**kwargs)
         self._skips.record(checks)  # learned once the checks' copies reach the host: no wait
-        if self.log and self._trainer_base is not None and _writes_logs_now(model.trainer):
-            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]  # waits for the copies
-            model.log("amp/loss_scale", float(scale), on_step=True, on_epoch=False)
-            model.log("amp/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+        if self.log and self._trainer_base is not None:
+            logs.log_step(model, self._skips)
         return output
 
     @property
@@ -385,41 +356,3 @@ class AmpPrecisionBehaviour:
                 f"AmpPrecision.{caller}: amp was not set up; with Fabric use "
                 "amp.lightning.setup(fabric, model, optimizer)."
             )
-
-
-def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if tensor.is_floating_point() and tensor.dtype is not torch.float64:
-        return tensor.to(dtype)
-    return tensor
-
-
-def _writes_logs_now(trainer: Any) -> bool:
-    """Whether this optimizer step is one the Trainer writes its logs at (``log_every_n_steps``),
-    or the last of its epoch or of the run."""
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is None or connector.should_update_logs:
-        return True
-    if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-        return True
-    return 0 <= trainer.max_steps <= trainer.global_step + 1
-
-
-def _cast_low_precision(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.dtype in _LOW_PRECISION else tensor
-
-
-def _wrap_again(strategy: Any, module: torch.nn.Module) -> _DDP:
-    """DistributedDataParallel built again around the cast module, as the strategy builds it.
-
-    The one the strategy built for FP32 parameters keeps buckets of their old dtype: it would
-    reduce nothing once amp has cast them (each rank training on alone).
-    """
-    if not hasattr(strategy, "configure_ddp"):
-        raise RuntimeError(
-            f"AmpPrecision: {type(strategy).__name__} wrapped the model in "
-            "DistributedDataParallel before amp.initialize could cast it, and AmpPrecision can "
-            "rebuild the wrapper only for Lightning's DDPStrategy."
-        )
-    strategy.model = module
-    strategy.configure_ddp()
-    return strategy.model
