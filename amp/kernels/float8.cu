@@ -44,7 +44,7 @@ constexpr int kThreads = 256;
 constexpr int kTile = 128;  // rows and columns of a tile
 constexpr double kEps = 1e-12;  // torchao's EPS: the smallest amax a scale is made from
 
-// One matrix to cast. Mirrored field for field by a numpy dtype (amp/kernels/_cupy_float8.py).
+// One matrix to cast. Mirrored field for field by a numpy dtype (amp/kernels/_float8_layout.py).
 struct Job {
   unsigned long long src;        // rows x cols, row-major, of the kernel's input type
   unsigned long long out;        // rows x cols FP8, or 0: no row-major layout
