@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import device_work  # noqa: E402
+import kernel_work  # noqa: E402
 from harness import print_table  # noqa: E402
 
 from amp.casting import float8, float8_eager, float8_weights  # noqa: E402
@@ -82,7 +83,7 @@ class Float8Kernels:
     """Stands in for amp/kernels/_cupy_float8.py: counts float8*.cu's launches and bytes."""
 
     def __init__(self):
-        self.work = device_work.KernelWork()
+        self.work = kernel_work.KernelWork()
 
     def cast(self, jobs, float8_dtype, power_of_2):
         self.work.launches += 2 * -(-len(jobs) // _float8_layout.JOBS)
