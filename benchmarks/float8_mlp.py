@@ -18,7 +18,7 @@ Compiled: each block's `compile()` (the blocks are alike: one graph). Each varia
 (`--warmup` steps, compilation included), then timed over `--steps` steps, CUDA synchronised at
 both ends. Before timing, one layer (2048 tokens) checks on the device that the eager FP8 linear
 computes the traced one's bits (output, both gradients; both recipes) and says whether its casts
-ran on float8.cu's kernels. Issue 50's goal on an H200: eager tensorwise at most 0.75x amp O2
+ran on the float8*.cu kernels. Issue 50's goal on an H200: eager tensorwise at most 0.75x amp O2
 bf16's step, rowwise at most 0.85x. On CPU (`--tiny`) the numbers only show that the script runs.
 """
 
@@ -137,7 +137,7 @@ def measure(name, options, mode, args, sizes):
 
 def check_bits(device, sizes, tokens):
     """{recipe: whether the eager FP8 linear's output and gradients are the traced one's bits},
-    and whether its casts ran on float8.cu's kernels."""
+    and whether its casts ran on the float8*.cu kernels."""
     generator = torch.Generator(device).manual_seed(2)
     hidden, ffn = sizes["hidden"], sizes["ffn"]
     x = torch.randn(tokens, hidden, device=device, generator=generator)

@@ -7,7 +7,7 @@ bytes moved, against the floor its recipe allows (the CPU proxy of the eager FP8
 Rows, per recipe (tensorwise, rowwise):
   traced         float8.Float8Linear run eagerly: torch operations, what amp's eager FP8 was
                  before the fused casts (and still is on CPU tensors under torch.compile)
-  eager          float8_eager.Float8LinearEager on float8.cu's kernels (CUDA, CuPy): the first
+  eager          float8_eager.Float8LinearEager on the float8*.cu kernels (CUDA, CuPy): the first
                  micro-batch after an optimizer step, which casts the weight
   eager, cached  the same, a later micro-batch of the step: the weight's layouts from the cache
   compiled       float8.Float8Linear under torch.compile (--compiled): inductor's kernels for the
@@ -15,7 +15,7 @@ Rows, per recipe (tensorwise, rowwise):
                  proportions and extrapolated (bytes are a quadratic in the size)
 
 Counted by benchmarks/device_work.py's DeviceWork below autograd on FakeTensors at the real sizes
-(aten ops: launches, and the bytes an ideal kernel reads and writes); float8.cu's kernels from
+(aten ops: launches, and the bytes an ideal kernel reads and writes); the float8*.cu kernels from
 their jobs: amp_f8_amax reads the matrix and writes its amaxes, amp_f8_cast reads the matrix and
 the amaxes and writes each FP8 layout, the scales and the inverses, amp_f8_scale_outer reads and
 writes the matrix and reads the inverses.
@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import device_work  # noqa: E402
+import kernel_work  # noqa: E402
 from harness import print_table  # noqa: E402
 
 from amp.casting import float8, float8_eager, float8_weights  # noqa: E402
@@ -79,10 +80,10 @@ def _bytes(tensor):
 
 
 class Float8Kernels:
-    """Stands in for amp/kernels/_cupy_float8.py: counts float8.cu's launches and bytes."""
+    """Stands in for amp/kernels/_cupy_float8.py: counts float8*.cu's launches and bytes."""
 
     def __init__(self):
-        self.work = device_work.KernelWork()
+        self.work = kernel_work.KernelWork()
 
     def cast(self, jobs, float8_dtype, power_of_2):
         self.work.launches += 2 * -(-len(jobs) // _float8_layout.JOBS)
@@ -102,7 +103,7 @@ class Float8Kernels:
 
 @contextlib.contextmanager
 def fused(kernels):
-    """The eager Function on FakeTensors, float8.cu's kernels counted by `kernels`."""
+    """The eager Function on FakeTensors, the float8*.cu kernels counted by `kernels`."""
     with mock.patch.object(float8_eager, "takes", lambda input, weight: True), mock.patch.object(
         kernels8, "_cupy_for", lambda tensor: kernels
     ), warnings.catch_warnings():
@@ -119,7 +120,7 @@ def _tensors(tokens, in_features, out_features):
 
 
 def _counted(step, kernels=None):
-    """(launches, bytes) of step(), aten ops and float8.cu's kernels."""
+    """(launches, bytes) of step(), aten ops and the float8*.cu kernels."""
     counter = device_work.DeviceWork(fake=True)
     before = (0, 0) if kernels is None else (kernels.work.launches, kernels.work.bytes)
     with counter:

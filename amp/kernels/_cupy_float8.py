@@ -1,10 +1,10 @@
-"""The CuPy side of the FP8 casts: float8.cu's RawModule for each GPU (compiled at the first cast
-there), and the launches on torch's current stream (their Metas: _float8_layout.py).
+"""The CuPy side of the FP8 casts: the RawModule of their source (_sources.FLOAT8_FILES) for each
+GPU (compiled at the first cast there), and the launches on torch's current stream (their Metas:
+_float8_layout.py).
 
 amp/kernels/float8.py allocates the outputs and zeroes the amaxes; this module only launches.
 """
 
-import pathlib
 from typing import Sequence
 
 import cupy
@@ -14,7 +14,7 @@ from . import _cupy_device, _float8_layout, _sources
 
 __all__ = ["gpu", "cast", "scale_outer_"]
 
-_SOURCE = pathlib.Path(__file__).with_name("float8.cu").read_text()
+_SOURCE = _sources.float8_source()
 _THREADS = _float8_layout.THREADS
 _BLOCKS_PER_MULTIPROCESSOR = 8  # then the blocks loop over the tiles
 _TYPE_NAMES = _sources.TYPE_NAMES
@@ -27,7 +27,7 @@ _NAMES = (
 
 
 class _Gpu:
-    """float8.cu compiled for one GPU, and its launch constants."""
+    """The FP8 casts' source compiled for one GPU, and its launch constants."""
 
     def __init__(self, index):
         self.max_grid = (
@@ -49,7 +49,7 @@ _gpus = {}
 
 
 def gpu(index: int) -> _Gpu:
-    """float8.cu for GPU `index`, compiled at the first call."""
+    """The FP8 casts' module for GPU `index`, compiled at the first call."""
     device = _gpus.get(index)
     if device is None:
         device = _gpus[index] = _Gpu(index)

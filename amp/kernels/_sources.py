@@ -1,6 +1,7 @@
 """The CUDA source of amp's multi-tensor kernels, by family: the files each family compiles (the
 shared multi_tensor.cu first), the kernel names it instantiates, and the options of the GPU
 build. A run compiles a family when it first launches one of its kernels (_cupy_device).
+The FP8 casts' files too (FLOAT8_FILES, float8.cu first): one module of their own (_cupy_float8).
 Importable without CuPy or CUDA: tests and benchmarks read it.
 """
 
@@ -26,6 +27,8 @@ __all__ = [
     "GPU_OPTIONS",
     "source",
     "source_of",
+    "FLOAT8_FILES",
+    "float8_source",
 ]
 
 _HERE = pathlib.Path(__file__).parent
@@ -126,12 +129,15 @@ def source_of(family: Family) -> str:
     return source((next(k for k, f in FAMILIES.items() if f is family),))
 
 
+def _text(files) -> str:
+    return "\n".join((_HERE / f"{name}.cu").read_text() for name in files)
+
+
 def source(families=tuple(FAMILIES), instantiate=()) -> str:
     """The source text of the families' files, each file once, in order. `instantiate`: kernel
     names whose addresses a host table takes, so that nvcc compiles them (CuPy instantiates
     its name expressions itself); True: every name of the families."""
-    files = dict.fromkeys(f for family in families for f in FAMILIES[family].files)
-    text = "\n".join((_HERE / f"{name}.cu").read_text() for name in files)
+    text = _text(dict.fromkeys(f for family in families for f in FAMILIES[family].files))
     if instantiate is True:
         instantiate = [name for family in families for name in FAMILIES[family].names]
     if instantiate:
@@ -140,3 +146,14 @@ def source(families=tuple(FAMILIES), instantiate=()) -> str:
         text += "extern const void* const amp_instances[];\n"
         text += "const void* const amp_instances[] = {\n" + addresses + "};\n"
     return text
+
+
+# The FP8 casts' module (amp/kernels/float8.py): the shared part (jobs, Meta, tile loads), the
+# amax kernel, the FP8 formats and scales, the cast kernel, the rowwise output scaling. No
+# multi_tensor.cu; the files instantiate their kernels themselves (nvcc compiles them as they are).
+FLOAT8_FILES = ("float8", "float8_amax", "float8_formats", "float8_cast", "float8_scale_outer")
+
+
+def float8_source() -> str:
+    """The source CuPy compiles the FP8 casts' module from: FLOAT8_FILES, in order."""
+    return _text(FLOAT8_FILES)

@@ -1,5 +1,5 @@
 """The FP8 casts on torch operations: torchao.float8's numerics (`float8_utils.amax_to_scale`,
-`hp_tensor_to_float8_dynamic`) op by op, the reference float8.cu's kernels are held to bit for
+`hp_tensor_to_float8_dynamic`) op by op, the reference the float8*.cu kernels are held to bit for
 bit, and what runs where they cannot (CPU, no CuPy, torch.compile).
 """
 

@@ -1,7 +1,7 @@
 """The device work of amp's FP8 linears: casts to FP8 with dynamic scales, and the scaled matmul.
 
 `cast` makes a matrix's FP8 layouts, row-major and transposed, each scaled per tensor, per row
-or per column: on CUDA tensors outside torch.compile by float8.cu's kernels where CuPy can run
+or per column: on CUDA tensors outside torch.compile by the float8*.cu kernels where CuPy can run
 them (one read for the amaxes, one read that writes every layout asked for; many matrices in
 one launch), else by torch operations (_torch_float8.py); the same bits either way. `matmul`
 runs torch._scaled_mm as torchao.float8 does, with the rowwise recipe's output scaling in one
@@ -36,7 +36,7 @@ _WIDE = (torch.float16, torch.float32)  # rowwise outputs _scaled_mm makes in bf
 
 
 class Job:
-    """What float8.cu's kernels are given for one matrix (_float8_layout.py packs it): `src`
+    """What the float8*.cu kernels are given for one matrix (_float8_layout.py packs it): `src`
     (2-D, contiguous, not empty), the layouts to write (`out`, `out_t`: FP8 tensors or None),
     their amaxes (int32 tensors of float bits, zeroed: one value, or one per row / per column;
     the same tensor for both layouts where both are per tensor), and the float32 tensors their
@@ -54,7 +54,7 @@ class Job:
 
 
 _MISSING = object()
-_modules = {}  # GPU index -> _cupy_float8 once float8.cu runs there, or None when it cannot
+_modules = {}  # GPU index -> _cupy_float8 once float8*.cu runs there, or None when it cannot
 
 
 def _load(index):
@@ -65,7 +65,7 @@ def _load(index):
     try:
         from . import _cupy_float8
 
-        _cupy_float8.gpu(index)  # compiles float8.cu for the GPU
+        _cupy_float8.gpu(index)  # compiles float8*.cu for the GPU
         return _cupy_float8
     except Exception as error:  # CuPy, NVRTC or the driver: the torch operations serve
         logger.warning(

@@ -1,7 +1,7 @@
 """The eager FP8 linear (float8_eager.Float8LinearEager) against the traced one
 (float8.Float8Linear, what torch.compile runs; test_float8_numerics.py holds it to torchao): the
 same bits, with FP8 layouts saved for backward instead of the input, on torch operations and on
-float8.cu's kernels (the emulated grid)."""
+the float8*.cu kernels (the emulated grid)."""
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ Two kinds of kernels behind it:
   (tests/helpers/cuda_emulation), with -ftz=true appended as CuPy does, and launches run the CUDA code
   itself on an emulated grid, threads in the order asked for.
 
-`install_float8` runs amp/kernels/float8.py's CuPy path (float8.cu, compiled) on CPU tensors.
+`install_float8` runs amp/kernels/float8.py's CuPy path (float8*.cu, compiled) on CPU tensors.
 """
 
 import contextlib
@@ -234,7 +234,7 @@ def install(
 
 
 def install_float8(monkeypatch, order="forward", seed=0):
-    """amp/kernels/float8.py's CuPy path on CPU tensors: float8.cu compiled (needs g++), run on the
+    """amp/kernels/float8.py's CuPy path on CPU tensors: float8*.cu compiled (needs g++), run on the
     emulated grid (threads in `order`). Returns (its host module, Launches)."""
     _, launches = install(monkeypatch, kernels="compiled", order=order, seed=seed)
     import amp.kernels

@@ -443,17 +443,17 @@ def test_on_a_gpu_the_compact_kernels_are_the_torch_backend_bit_for_bit(moments,
 def test_the_bytes_a_compact_adam_step_moves_per_parameter(
     forward_kernel, master, moments, grad_dtype, expected
 ):
-    """benchmarks/device_work.py's count of the launches a step makes, over its parameters (the
+    """benchmarks/kernel_work.py's count of the launches a step makes, over its parameters (the
     step counts' 12 bytes a tensor aside): a compact master with 8-bit moments moves 12.5 bytes a
     parameter, where an FP32 master with FP32 moments moves 28."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import device_work
+    import kernel_work
 
     sizes = [65536 + 5, 4096 + 3, 32 * 40]
     state = make_state(sizes, master, moments, grad_dtype)
     if master == "exact":  # each with a bf16 copy
         state["lows"] = [m.to(torch.bfloat16) for m in state["masters"]]
-    with device_work.kernel_traffic() as work:
+    with kernel_work.kernel_traffic() as work:
         run_adam(forward_kernel, state)
     assert work.launches == 2
     blocks = sum(-(-n // 32) for n in sizes)

@@ -1,4 +1,4 @@
-"""float8.cu on the emulated grid (compiled for the CPU: tests/helpers/cuda_emulation) behind
+"""float8*.cu on the emulated grid (compiled for the CPU: tests/helpers/cuda_emulation) behind
 amp/kernels/float8.py's CuPy path, bit for bit against the torch operations (_torch_float8.py,
 torchao's numerics): every layout, scale and inverse, for bf16, fp16 and fp32 matrices of shapes
 that are not multiples of 16 or of a tile, empty ones, inf, NaN and all-zero rows, and the rowwise

@@ -1,5 +1,6 @@
-"""float8.cu compiles with nvcc as CuPy compiles it (its Meta the size of the host's mirror), and
-its float arithmetic keeps subnormals under CuPy's -ftz=true; the Meta packing (_float8_layout)."""
+"""The FP8 casts' source (_sources.FLOAT8_FILES, concatenated) compiles with nvcc as CuPy compiles
+it (its Meta the size of the host's mirror), and its float arithmetic keeps subnormals under
+CuPy's -ftz=true; the Meta packing (_float8_layout)."""
 
 import shutil
 import subprocess
@@ -8,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from amp.kernels import _float8_layout
-from helpers import ROOT
+from amp.kernels import _float8_layout, _sources
 
-SOURCE = ROOT / "amp" / "kernels" / "float8.cu"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 
 
 def _nvcc(tmp_path, arch, *options):
+    source = tmp_path / "float8.cu"
+    source.write_text(_sources.float8_source())
     output = tmp_path / f"float8-{arch}.out"
     result = subprocess.run(
-        ["nvcc", "-std=c++17", f"-arch={arch}", *options, str(SOURCE), "-o", str(output),
+        ["nvcc", "-std=c++17", f"-arch={arch}", *options, str(source), "-o", str(output),
          *_float8_layout.compile_options()],
         capture_output=True,
         text=True,
@@ -74,6 +75,6 @@ def test_tiles_cover_partial_tiles():
 
 def test_source_includes_only_what_nvrtc_finds():
     """CuPy compiles with NVRTC, which has CUDA's headers but no C library (<string.h> fails)."""
-    includes = [line.split()[1] for line in SOURCE.read_text().splitlines()
+    includes = [line.split()[1] for line in _sources.float8_source().splitlines()
                 if line.startswith("#include")]
     assert includes == ["<cuda_fp16.h>", "<cuda_bf16.h>"]

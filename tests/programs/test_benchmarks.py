@@ -129,16 +129,16 @@ def test_kernel_benchmark_measures_each_case_once(monkeypatch, capsys):
 @pytest.mark.skipif(build.compiler() is None, reason="needs g++ for the emulated grid")
 @pytest.mark.parametrize("case", [name for name in step_kernels.CASES if "torch" not in name])
 def test_step_kernels_counts_the_bytes_each_kernel_moves(monkeypatch, case):
-    """The bytes step_kernels.py divides by are device_work's count of the launches (the kernels
+    """The bytes step_kernels.py divides by are kernel_work's count of the launches (the kernels
     compiled for the CPU), less Adam's step counts: 12 bytes a tensor."""
     import amp
-    import device_work
+    import kernel_work
 
     module, _ = fake_cupy.install(monkeypatch, kernels="compiled")
     monkeypatch.setattr(amp.kernels, "_backend", lambda device: module)
     sizes = [32 * 40 + 7] * step_kernels.TENSORS
     step, moved = step_kernels.CASES[case](sizes, torch.device("cpu"))
-    with device_work.kernel_traffic() as work:
+    with kernel_work.kernel_traffic() as work:
         step()
     counts = 12 * len(sizes) if case.startswith("adam") else 0
     assert work.bytes - counts == pytest.approx(moved, rel=1e-3)

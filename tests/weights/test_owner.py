@@ -18,6 +18,7 @@ from helpers.o2 import general_path
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import device_work  # noqa: E402
+import kernel_work  # noqa: E402
 
 
 # -- the CuPy path: gradients low precision until the step ---------------------------------------
@@ -139,7 +140,7 @@ def test_the_cupy_path_moves_the_bytes_of_one_pass_per_parameter(
 ):
     """After backward the kernels unscale each BF16 gradient in place at the exit (read and
     written once) and read it once in the step, which reads the BF16 weight, its int16 remainder
-    and the state and writes them back (benchmarks/device_work.py's kernel_traffic); torch's own
+    and the state and writes them back (benchmarks/kernel_work.py's kernel_traffic); torch's own
     ops there do not grow with the model (the scale update, the flags' copy to the host). Adam's
     step count is read and counted per tensor (`per_tensor` bytes)."""
     found = {}
@@ -148,7 +149,7 @@ def test_the_cupy_path_moves_the_bytes_of_one_pass_per_parameter(
         params = list(model.parameters())
         count = sum(p.numel() for p in params)
         counter = device_work.DeviceWork()
-        with device_work.kernel_traffic() as kernels, counter:
+        with kernel_work.kernel_traffic() as kernels, counter:
             optimizer.zero_grad()
             with amp.scale_loss(loss_of(model, 2, inputs=width, outputs=width), optimizer) as s:
                 s.backward()

@@ -1,4 +1,4 @@
-// CUDA on the CPU, for tests: g++ compiles amp/kernels/multi_tensor.cu and float8.cu unmodified
+// CUDA on the CPU, for tests: g++ compiles amp/kernels/multi_tensor.cu and float8*.cu unmodified
 // with this header force-included (-include), and every launch runs the grid on the calling
 // thread.
 //
