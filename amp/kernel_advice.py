@@ -29,8 +29,8 @@ _MEASURED_COMPACT = (
 # Counted below autograd on FakeTensors (docs/o2.md, benchmarks/device_work.py), not yet timed
 # on a GPU: GPT-2 small, AdamW, the work after backward.
 _COUNTED_EXACT = (
-    "in many small passes: GPT-2 small (124M parameters) makes 3,256 kernel launches and moves "
-    "185 bytes a parameter after backward against 10 and 30 with them (counted, not timed)"
+    "in many small passes: GPT-2 small (124M parameters) makes 2,406 kernel launches and moves "
+    "113 bytes a parameter after backward against 10 and 30 with them (counted, not timed)"
 )
 _INSTALL = (
     "Install them with pip install 'amp[cuda]' (or 'amp[cuda13]' for a CUDA 13 build of torch)"
