@@ -71,7 +71,8 @@ def remainder_encode(fp32):
     fp32 = fp32.contiguous()
     halves = fp32.view(-1).view(torch.int16).view(-1, 2)
     high = halves[:, _HIGH]
-    rest = halves[:, _LOW].clone()
+    # contiguous_format: a clone of one element would keep its stride of 2 (views of it fail)
+    rest = halves[:, _LOW].clone(memory_format=torch.contiguous_format)
     weight = torch.sub(high, rest >> 15)  # >> 15: -1 where the low half is 0x8000 or more
     # A NaN whose rounding left the NaN patterns (up into the sign, or down to inf): a quiet NaN
     # of its sign, remainder 0. A plain CPU tensor is asked first, by a maximum (it propagates

@@ -89,6 +89,17 @@ def test_an_exact_masters_nan_is_a_quiet_nan_of_its_sign_on_either_path():
     assert torch.equal(bits(asked[0]), bits(unasked[0])) and torch.equal(asked[1], unasked[1])
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (3,), (2, 5)], ids=str)
+def test_an_exact_masters_weight_and_remainder_are_dense_at_every_size(shape):
+    """Read off the FP32 bits' halves (strided views), both come out with unit strides: DDP's
+    buckets and checkpoints view them as bytes, which a stride of 2 on one element refuses."""
+    low, remainder = kernels.remainder_encode(torch.randn(shape))
+    for part in (low, remainder):
+        assert part.shape == shape and part.is_contiguous()
+        flat = part if part.dim() else part.view(1)  # torch views no 0-dim tensor as bytes
+        assert flat.view(torch.int8).numel() == 2 * part.numel()
+
+
 def test_an_exact_masters_weight_is_torchs_cast_but_at_ties_rounded_down_to_even():
     """The weight is the nearest bf16; an exact tie goes away from zero (a remainder of +0x8000
     would not fit), where torch's cast rounds to even: only the ties below an even weight
