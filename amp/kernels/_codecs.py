@@ -86,7 +86,12 @@ def remainder_encode(fp32):
 
 
 def _on_the_host(tensor):
-    return type(tensor) is torch.Tensor and tensor.device.type == "cpu"
+    """Whether `tensor` can be asked about its values for free: a plain CPU tensor, not traced."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
 
 
 def remainder_decode(bf16, remainder):

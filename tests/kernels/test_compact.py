@@ -74,7 +74,8 @@ def test_an_exact_master_holds_every_fp32_value_in_its_weight_and_remainder():
 def test_an_exact_masters_nan_is_a_quiet_nan_of_its_sign_on_either_path():
     """Every high half against low halves around the carry: a NaN's weight is its high half with
     the quiet bit set and its remainder 0 (the CUDA kernel's rule), whether the CPU's check for a
-    NaN ran first (a plain tensor) or the fix-up ran unasked (any other: FakeTensors, devices)."""
+    NaN ran first (a plain tensor) or the fix-up ran unasked (any other: FakeTensors, devices, a
+    trace of torch.compile)."""
     highs = torch.arange(-(2**15), 2**15, dtype=torch.int32)
     lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int32)
     x = ((highs[:, None] << 16) | lows).view(-1).view(torch.float32)
@@ -84,6 +85,8 @@ def test_an_exact_masters_nan_is_a_quiet_nan_of_its_sign_on_either_path():
     assert not remainder[nan].any()
     unasked = kernels.remainder_encode(torch.nn.Parameter(x, requires_grad=False))
     assert torch.equal(bits(unasked[0]), bits(low)) and torch.equal(unasked[1], remainder)
+    traced = torch.compile(kernels.remainder_encode, fullgraph=True, backend="eager")(x)
+    assert torch.equal(bits(traced[0]), bits(low)) and torch.equal(traced[1], remainder)
     finite = x[torch.isfinite(x)][:1000]  # no NaN: the CPU skips the fix-up, the rest runs it
     asked, unasked = (kernels.remainder_encode(v) for v in (finite, torch.nn.Parameter(finite)))
     assert torch.equal(bits(asked[0]), bits(unasked[0])) and torch.equal(asked[1], unasked[1])
