@@ -244,17 +244,9 @@ def measure(trainer, batch, parameters, parameter_count, fake=False, warmup=2):
     """StepWork of one step of `trainer` on `batch`, after `warmup` steps. `parameters`: the
     tensors that exist anyway (the model's parameters), left out of `saved`; `parameter_count`:
     the model's parameter elements (the denominator of bytes per parameter)."""
-    with copies_in_flight(), _no_host_shortcuts():
+    with copies_in_flight():
         return _measure(trainer, batch, parameters, parameter_count, fake, warmup)
 
-
-def _no_host_shortcuts():
-    """The torch backend's encodings ask a plain CPU tensor whether it holds a NaN before their
-    fix-up (free on the host); a GPU never asks (it would wait), and FakeTensors cannot answer:
-    counted as on a GPU, real tensors count what FakeTensors do."""
-    from amp.kernels import _codecs
-
-    return mock.patch.object(_codecs, "_on_the_host", lambda tensor: False)
 
 
 def _measure(trainer, batch, parameters, parameter_count, fake, warmup):

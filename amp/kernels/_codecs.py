@@ -68,8 +68,10 @@ def remainder_encode(fp32):
     is the bits' low half as a signed int16, and the weight their high half plus the carry where
     that is negative (0x8000 or more): two passes over halves, where int32 arithmetic took six.
     The CUDA kernel's uint32 arithmetic gives the same bits."""
-    fp32 = fp32.contiguous()
-    halves = fp32.view(-1).view(torch.int16).view(-1, 2)
+    flat = fp32.reshape(-1)  # a copy where it is not contiguous
+    if flat.numel() and flat.stride(0) != 1:  # one element, any stride: contiguous to torch
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    halves = flat.view(torch.int16).view(-1, 2)
     high = halves[:, _HIGH]
     # contiguous_format: a clone of one element would keep its stride of 2 (views of it fail)
     rest = halves[:, _LOW].clone(memory_format=torch.contiguous_format)
@@ -78,20 +80,28 @@ def remainder_encode(fp32):
     # of its sign, remainder 0. A plain CPU tensor is asked first, by a maximum (it propagates
     # NaN; no device to wait for, no FakeTensor that cannot answer): most steps have none, and
     # the fix-up is four passes more.
-    if not _on_the_host(fp32) or (fp32.numel() and bool(torch.isnan(fp32.amax()))):
-        nan = torch.isnan(fp32).view(-1)
+    if not _on_the_host(flat) or (flat.numel() and bool(torch.isnan(flat.amax()))):
+        nan = torch.isnan(flat)
         weight = torch.where(nan, high | 0x40, weight)
         rest.masked_fill_(nan, 0)
     return weight.view(torch.bfloat16).view(fp32.shape), rest.view(fp32.shape)
 
 
 def _on_the_host(tensor):
-    """Whether `tensor` can be asked about its values for free: a plain CPU tensor, not traced."""
+    """Whether `tensor` can be asked about its values for free: a plain CPU tensor, seen by no
+    dispatch mode (FakeTensorMode, make_fx, a counter of device work), no functorch transform
+    (vmap) and no compiler, which have no values to give or stand for a device that would wait."""
     return (
         type(tensor) is torch.Tensor
         and tensor.device.type == "cpu"
         and not torch.compiler.is_compiling()
+        and not _dispatch_modes()
+        and not _functorch_wrapped(tensor)
     )
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def remainder_decode(bf16, remainder):

@@ -87,16 +87,39 @@ def test_an_exact_masters_nan_is_a_quiet_nan_of_its_sign_on_either_path():
     assert torch.equal(bits(unasked[0]), bits(low)) and torch.equal(unasked[1], remainder)
     traced = torch.compile(kernels.remainder_encode, fullgraph=True, backend="eager")(x)
     assert torch.equal(bits(traced[0]), bits(low)) and torch.equal(traced[1], remainder)
+    # Where a plain CPU tensor has no values to give (vmap, FakeTensorMode, make_fx), unasked
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mapped = torch.vmap(kernels.remainder_encode)(x.view(-1, 64))
+    assert torch.equal(bits(mapped[0]).view(-1), bits(low))
+    assert torch.equal(mapped[1].view(-1), remainder)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert kernels.remainder_encode(x)[1].shape == x.shape
+    make_fx(kernels.remainder_encode)(x[:64])
     finite = x[torch.isfinite(x)][:1000]  # no NaN: the CPU skips the fix-up, the rest runs it
     asked, unasked = (kernels.remainder_encode(v) for v in (finite, torch.nn.Parameter(finite)))
     assert torch.equal(bits(asked[0]), bits(unasked[0])) and torch.equal(asked[1], unasked[1])
 
 
-@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (3,), (2, 5)], ids=str)
-def test_an_exact_masters_weight_and_remainder_are_dense_at_every_size(shape):
+ONE_ELEMENT_STRIDES = [
+    torch.randn(1, 4)[:, 1],  # stride 4
+    torch.tensor(0.5).expand(1),  # stride 0
+    torch.empty_strided((1, 1), (7, 3)).fill_(2.0),
+]
+
+
+@pytest.mark.parametrize(
+    "value", [torch.randn(s) for s in [(), (1,), (1, 1), (3,), (2, 5)]] + ONE_ELEMENT_STRIDES,
+    ids=lambda v: f"{tuple(v.shape)}-{v.stride()}",
+)
+def test_an_exact_masters_weight_and_remainder_are_dense_at_every_size(value):
     """Read off the FP32 bits' halves (strided views), both come out with unit strides: DDP's
-    buckets and checkpoints view them as bytes, which a stride of 2 on one element refuses."""
-    low, remainder = kernels.remainder_encode(torch.randn(shape))
+    buckets and checkpoints view them as bytes, which a stride of 2 on one element refuses; and
+    one element of any stride (contiguous to torch) encodes as its value does."""
+    shape = value.shape
+    low, remainder = kernels.remainder_encode(value)
+    assert torch.equal(kernels.remainder_decode(low, remainder), value)
     for part in (low, remainder):
         assert part.shape == shape and part.is_contiguous()
         flat = part if part.dim() else part.view(1)  # torch views no 0-dim tensor as bytes
