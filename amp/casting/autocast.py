@@ -49,7 +49,7 @@ def _merge_positional(args, given, names):
         raise TypeError(f"autocast takes at most {len(names)} positional arguments")
     for name, value in zip(names, args):
         if given[name] is not _UNSET:
-            raise TypeError(f"autocast() got multiple values for argument {name!r}")
+            raise TypeError(f"autocast.__init__() got multiple values for argument {name!r}")
         given[name] = value
     return given
 
