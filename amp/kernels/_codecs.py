@@ -68,9 +68,7 @@ def remainder_encode(fp32):
     is the bits' low half as a signed int16, and the weight their high half plus the carry where
     that is negative (0x8000 or more): two passes over halves, where int32 arithmetic took six.
     The CUDA kernel's uint32 arithmetic gives the same bits."""
-    flat = fp32.reshape(-1)  # a copy where it is not contiguous
-    if flat.numel() and flat.stride(0) != 1:  # one element, any stride: contiguous to torch
-        flat = flat.clone(memory_format=torch.contiguous_format)
+    flat = _dense_flat(fp32)
     halves = flat.view(torch.int16).view(-1, 2)
     high = halves[:, _HIGH]
     # contiguous_format: a clone of one element would keep its stride of 2 (views of it fail)
@@ -85,6 +83,15 @@ def remainder_encode(fp32):
         weight = torch.where(nan, high | 0x40, weight)
         rest.masked_fill_(nan, 0)
     return weight.view(torch.bfloat16).view(fp32.shape), rest.view(fp32.shape)
+
+
+def _dense_flat(tensor):
+    """`tensor` flat with unit stride (a copy where it is not contiguous, or is one element of
+    another stride, which torch calls contiguous but will not view as halves)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat
 
 
 def _on_the_host(tensor):
@@ -116,30 +123,54 @@ def remainder_decode(bf16, remainder):
 def compact_encode(fp32):
     """(bf16 weight, int8 correction) of FP32 values (see the module doc). inf stays inf
     (correction 0), a value past the largest bf16 becomes inf as torch's cast makes it, NaN
-    becomes bf16's quiet NaN (correction 0)."""
-    bits = fp32.contiguous().view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
-    nan = magnitude > 0x7F800000
-    magnitude = magnitude.masked_fill(nan, 0)
-    high = (magnitude + 0x7FFF + ((magnitude >> 16) & 1)) >> 16  # bf16 magnitude, nearest even
-    rest = magnitude - (high << 16)  # -0x8000..0x8000
-    correction = ((rest + 0x7F + ((rest >> 8) & 1)) >> 8).clamp(-127, 127)  # nearest even
-    special = high >= 0x7F80
-    correction = correction.masked_fill(special | nan, 0)
-    high = high.masked_fill(nan, 0x7FC0)
-    high = high | ((bits < 0).to(torch.int32) << 15)
-    high = torch.where(high >= 0x8000, high - 0x10000, high)  # as int16 two's complement
-    return high.to(torch.int16).view(torch.bfloat16), correction.to(torch.int8)
+    becomes bf16's quiet NaN (correction 0). In place where it can be: on the CPU each new
+    tensor of this size costs its pages again. The rare cases (a NaN, a value rounded up to inf)
+    are asked about first on a plain CPU tensor (`_on_the_host`) and fixed up only then."""
+    flat = _dense_flat(fp32)
+    asked = _on_the_host(flat)
+    magnitude = flat.view(torch.int32) & 0x7FFFFFFF
+    nan = None
+    if not asked or (flat.numel() and bool(torch.isnan(flat.amax()))):
+        nan = magnitude > 0x7F800000
+        magnitude.masked_fill_(nan, 0)  # its weight is set below; its correction comes out 0
+    high = magnitude >> 16  # the weight's magnitude, nearest even: + 0x7FFF + its lowest bit
+    high &= 1
+    high += magnitude
+    high += 0x7FFF
+    high >>= 16
+    rest = magnitude.add_(high, alpha=-0x10000)  # -0x8000..0x8000: the value less the weight
+    correction = rest >> 8  # rest / 256, nearest even
+    correction &= 1
+    correction += rest
+    correction += 0x7F
+    correction >>= 8
+    correction.clamp_(-127, 127)
+    if not asked or (flat.numel() and bool(high.amax() >= 0x7F80)):
+        correction.masked_fill_(high >= 0x7F80, 0)  # inf, or rounded up to it: no correction
+    if nan is not None:
+        high.masked_fill_(nan, 0x7FC0)
+    weight = high.to(torch.int16)  # at most 0x7FC0: in range
+    weight |= flat.view(torch.int16).view(-1, 2)[:, _HIGH] & -0x8000  # the value's sign
+    return weight.view(torch.bfloat16).view(fp32.shape), correction.to(torch.int8).view(fp32.shape)
 
 
 def compact_decode(bf16, correction):
-    """The FP32 values a (bf16 weight, int8 correction) pair holds (exact)."""
-    high = bf16.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    magnitude_high = high & 0x7FFF
-    magnitude = (magnitude_high << 16) + correction.to(torch.int32) * 256
-    magnitude = torch.where(magnitude_high >= 0x7F80, magnitude_high << 16, magnitude)
-    sign = (high >= 0x8000).to(torch.int32) * _SIGN
-    return (magnitude | sign).view(torch.float32)
+    """The FP32 values a (bf16 weight, int8 correction) pair holds (exact): the weight's
+    magnitude shifted up by 16 plus 256 times the correction (none for inf and NaN), its sign."""
+    weight = bf16.contiguous().view(torch.int16).to(torch.int32)  # sign-extended
+    sign = weight & _SIGN
+    high = weight.bitwise_and_(0x7FFF)  # the weight's magnitude
+    special = None
+    if not _on_the_host(high) or (high.numel() and bool(high.amax() >= 0x7F80)):
+        special = high >= 0x7F80  # inf and NaN: no correction
+    high <<= 16
+    magnitude = correction.to(torch.int32)
+    magnitude *= 256
+    magnitude += high
+    if special is not None:
+        magnitude = torch.where(special, high, magnitude)
+    magnitude |= sign
+    return magnitude.view(torch.float32)
 
 
 def blocks(values):

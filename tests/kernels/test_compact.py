@@ -142,6 +142,27 @@ def test_an_exact_masters_weight_is_torchs_cast_but_at_ties_rounded_down_to_even
     assert (ours[differ].int() - theirs[differ].int()).abs().max() == 1
 
 
+def test_a_compact_master_is_the_same_whether_the_cpu_asked_about_its_rare_values_or_not():
+    """On a plain CPU tensor the encoding asks first whether any value is NaN or rounds up to
+    inf, and the decoding whether any weight is inf or NaN, and skip their fix-ups where none
+    is; any other tensor (a Parameter here, as FakeTensors, devices and traces) runs them
+    unasked. Both give the same bits, with such values and without."""
+    x = _patterns()  # NaNs, infs and values rounding up to inf among them
+    ordinary = x[torch.isfinite(x) & (x.abs() < 3e38)]
+    for values in (x, ordinary):
+        low, correction = kernels.compact_encode(values)
+        unasked = kernels.compact_encode(torch.nn.Parameter(values, requires_grad=False))
+        assert torch.equal(bits(unasked[0]), bits(low)) and torch.equal(unasked[1], correction)
+        back = kernels.compact_decode(low, correction)
+        plain = torch.nn.Parameter(low, requires_grad=False)
+        assert torch.equal(bits(kernels.compact_decode(plain, correction)), bits(back))
+    for value in ONE_ELEMENT_STRIDES:
+        low, correction = kernels.compact_encode(value)
+        dense = kernels.compact_encode(value.clone(memory_format=torch.contiguous_format))
+        assert low.shape == correction.shape == value.shape
+        assert torch.equal(bits(low), bits(dense[0])) and torch.equal(correction, dense[1])
+
+
 def test_special_values_keep_their_meaning():
     low, correction = kernels.compact_encode(
         torch.tensor([-0.0, float("inf"), float("nan"), 3.4e38])
