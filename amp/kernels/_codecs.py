@@ -189,38 +189,47 @@ def _scales(rows):
 
 
 def signed_encode(values):
-    """(int8 codes in the shape of `values`, fp32 scales per block): softsign-companded."""
+    """(int8 codes in the shape of `values`, fp32 scales per block): softsign-companded. In
+    place where it can be (each operation rounds once, in the same order)."""
     rows = blocks(values.float())
     scales, divisor = _scales(rows)
     y = rows / divisor
-    z = (y * 2.0) / (y.abs() + 1.0)
-    codes = torch.round(z * 127.0)
-    return _unblock(codes.to(torch.int8), values), scales.view(-1)
-
+    denominator = y.abs()
+    denominator += 1.0
+    y *= 2.0
+    y /= denominator  # 2y / (|y| + 1)
+    y *= 127.0
+    y.round_()
+    return _unblock(y.to(torch.int8), values), scales.view(-1)
 
 def signed_decode(codes, scales):
     """The FP32 values of signed_encode's codes and scales, in the codes' shape."""
     z = blocks(codes.float()) / _constant(127.0, codes)
-    y = z / (2.0 - z.abs())
-    return _unblock(y * scales.view(-1, 1), codes)
-
+    denominator = z.abs()
+    torch.sub(2.0, denominator, out=denominator)
+    z /= denominator  # z / (2 - |z|)
+    z *= scales.view(-1, 1)
+    return _unblock(z, codes)
 
 def unsigned_encode(values, step=None, start=0):
     """(uint8 codes, fp32 scales per block) of non-negative values: their square roots, linear
     onto 0..255, a positive value at least code 1. Rounded to nearest; or, given the `step`
     count (a 0-dim tensor), stochastically by dither(start, ..., step): `values` are the elements
     from flat index `start` of their moment."""
-    roots = blocks(values.float()).double().sqrt().float()  # correctly rounded (module doc)
+    roots = blocks(values.float()).double()
+    roots.sqrt_()  # correctly rounded (module doc)
+    roots = roots.float()
     scales, divisor = _scales(roots)
     y = roots / divisor
+    y *= 255.0
     if step is None:
-        codes = torch.round(y * 255.0)
+        y.round_()
     else:
-        noise = dither(start, roots.numel(), step).view(roots.shape)
-        codes = torch.floor((y * 255.0) + noise).clamp_(max=255.0)
-    codes = torch.where((roots > 0) & (codes == 0), 1.0, codes)
-    return _unblock(codes.to(torch.uint8), values), scales.view(-1)
-
+        y += dither(start, roots.numel(), step).view(roots.shape)
+        y.floor_()
+        y.clamp_(max=255.0)
+    torch.maximum(y, roots.sign(), out=y)  # a positive value takes code 1 at least
+    return _unblock(y.to(torch.uint8), values), scales.view(-1)
 
 _MASK = 0xFFFFFFFF
 _PERIOD = 1 << 16  # the dither of a moment's elements repeats every 2**16 of them
@@ -269,9 +278,10 @@ def bf16_stochastic(values, step, start=0):
 
 def unsigned_decode(codes, scales):
     """The FP32 values of unsigned_encode's codes and scales, in the codes' shape."""
-    roots = (blocks(codes.float()) / _constant(255.0, codes)) * scales.view(-1, 1)
-    return _unblock(roots * roots, codes)
-
+    roots = blocks(codes.float()) / _constant(255.0, codes)
+    roots *= scales.view(-1, 1)
+    roots *= roots
+    return _unblock(roots, codes)
 
 def _constant(value, like):
     """A float32 0-dim tensor on `like`'s device: a divisor torch divides by (module doc)."""
