@@ -19,12 +19,12 @@ CUDA source (codecs.cu, step_loop.cu) follows operation by operation, so the two
   companded by softsign, 2y / (1 + |y|), onto -127..127; an unsigned one (Adam's second) is
   stored as its square root, linear onto 0..255, and a positive value never takes code 0 (its
   denominator would be eps alone). FlashOptim's companders (arXiv 2602.23349). In a step, the
-  unsigned code is rounded stochastically (`dither`): Adam's second moment moves by 1 - beta2 =
-  0.1% a step, less than a code, so rounding to nearest would hold it where it is (an EMA stuck
-  high, or at the floor) while stochastic rounding follows it on average. The random bits are a
-  hash of the element's index in its whole tensor (a shard's elements from the shard's start:
-  FSDP2's draw the replicated tensor's) and one of the step count: a resumed run draws the same
-  ones, at any world size, and the CUDA kernel computes them as here.
+  unsigned code is rounded stochastically (`dither_bits`, over 2**16): Adam's second moment moves
+  by 1 - beta2 = 0.1% a step, less than a code, so rounding to nearest would hold it where it is
+  (an EMA stuck high, or at the floor) while stochastic rounding follows it on average. The
+  random bits are a hash of the element's index in its whole tensor (a shard's elements from the
+  shard's start: FSDP2's draw the replicated tensor's) and one of the step count: a resumed run
+  draws the same ones, at any world size, and the CUDA kernel computes them as here.
 - A bf16 moment: round to nearest even; Adam's second moment in a step stochastically, as its
   8-bit code (bf16's 8 bits of precision are coarser than its 0.1% a step too).
 
@@ -49,7 +49,6 @@ __all__ = [
     "signed_decode",
     "unsigned_encode",
     "unsigned_decode",
-    "dither",
     "dither_bits",
     "bf16_stochastic",
     "blocks",
@@ -214,8 +213,8 @@ def signed_decode(codes, scales):
 def unsigned_encode(values, step=None, start=0):
     """(uint8 codes, fp32 scales per block) of non-negative values: their square roots, linear
     onto 0..255, a positive value at least code 1. Rounded to nearest; or, given the `step`
-    count (a 0-dim tensor), stochastically by dither(start, ..., step): `values` are the elements
-    from flat index `start` of their moment."""
+    count (a 0-dim tensor), stochastically by dither_bits(start, ..., step) over 2**16: `values`
+    are the elements from flat index `start` of their moment."""
     roots = blocks(values.float()).double()
     roots.sqrt_()  # correctly rounded (module doc)
     roots = roots.float()
@@ -225,7 +224,8 @@ def unsigned_encode(values, step=None, start=0):
     if step is None:
         y.round_()
     else:
-        y += dither(start, roots.numel(), step).view(roots.shape)
+        # + the dither: its bits times 2**-16 are exact, so the sum rounds once
+        y.add_(dither_bits(start, roots.numel(), step).view(roots.shape), alpha=2.0**-16)
         y.floor_()
         y.clamp_(max=255.0)
     torch.maximum(y, roots.sign(), out=y)  # a positive value takes code 1 at least
@@ -246,11 +246,6 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def dither(start, count, step):
-    """Uniform float32 values in [0, 1), multiples of 2**-16: dither_bits / 2**16."""
-    return dither_bits(start, count, step).to(torch.float32) * 2.0**-16
-
-
 def dither_bits(start, count, step):
     """16 random bits (int32 0..65535) for flat indices start..start+count at `step` (a 0-dim
     tensor holding an integer): the high 16 bits of a hash of the index (modulo _PERIOD, from a
@@ -264,7 +259,9 @@ def dither_bits(start, count, step):
     offset = start % _PERIOD
     if offset:
         table = table.roll(-offset)
-    return table.repeat(-(-count // _PERIOD))[:count] ^ salt
+    bits = table.repeat(-(-count // _PERIOD))[:count]
+    bits ^= salt
+    return bits
 
 
 def bf16_stochastic(values, step, start=0):
@@ -272,7 +269,9 @@ def bf16_stochastic(values, step, start=0):
     to bf16 stochastically: dither_bits added to the low 16 bits, then cut (see the module doc:
     a bf16 second moment rounded to nearest stays stuck as an 8-bit one does)."""
     bits = values.contiguous().view(-1).view(torch.int32)
-    high = (bits + dither_bits(start, bits.numel(), step)) >> 16
+    high = dither_bits(start, bits.numel(), step)
+    high += bits
+    high >>= 16
     return high.to(torch.int16).view(torch.bfloat16).view(values.shape)
 
 

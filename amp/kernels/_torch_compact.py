@@ -108,7 +108,7 @@ def adam_step_(
             master = _Master(masters[i], None if lows is None else lows[i], piece)
             m = _Moment(exp_avgs[i], None if m_scales is None else m_scales[i], True, piece)
             v = _Moment(exp_avg_sqs[i], None if v_scales is None else v_scales[i], False, piece)
-            v.step = steps[i]  # its codes are rounded stochastically (_codecs.dither)
+            v.step = steps[i]  # its codes are rounded stochastically (_codecs.dither_bits)
             v.start = 0 if starts is None else starts[i]
             step(
                 [master.fp32],

@@ -173,7 +173,7 @@ __device__ __forceinline__ unsigned int dither_bits(long long index, unsigned in
   return (mix(static_cast<unsigned int>(index & 0xFFFF)) >> 16) ^ salt;
 }
 
-// Uniform in [0, 1), a multiple of 2**-16 (_codecs.dither's).
+// Uniform in [0, 1), a multiple of 2**-16: _codecs.dither_bits' bits times 2**-16.
 __device__ __forceinline__ float dither(long long index, unsigned int salt) {
   return mul_rn(static_cast<float>(dither_bits(index, salt)), 1.52587890625e-05f);  // exact
 }
