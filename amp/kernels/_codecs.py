@@ -201,6 +201,7 @@ def signed_encode(values):
     y.round_()
     return _unblock(y.to(torch.int8), values), scales.view(-1)
 
+
 def signed_decode(codes, scales):
     """The FP32 values of signed_encode's codes and scales, in the codes' shape."""
     z = blocks(codes.float()) / _constant(127.0, codes)
@@ -209,6 +210,7 @@ def signed_decode(codes, scales):
     z /= denominator  # z / (2 - |z|)
     z *= scales.view(-1, 1)
     return _unblock(z, codes)
+
 
 def unsigned_encode(values, step=None, start=0):
     """(uint8 codes, fp32 scales per block) of non-negative values: their square roots, linear
@@ -230,6 +232,7 @@ def unsigned_encode(values, step=None, start=0):
         y.clamp_(max=255.0)
     torch.maximum(y, roots.sign(), out=y)  # a positive value takes code 1 at least
     return _unblock(y.to(torch.uint8), values), scales.view(-1)
+
 
 _MASK = 0xFFFFFFFF
 _PERIOD = 1 << 16  # the dither of a moment's elements repeats every 2**16 of them
@@ -281,6 +284,7 @@ def unsigned_decode(codes, scales):
     roots *= scales.view(-1, 1)
     roots *= roots
     return _unblock(roots, codes)
+
 
 def _constant(value, like):
     """A float32 0-dim tensor on `like`'s device: a divisor torch divides by (module doc)."""
