@@ -49,6 +49,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernel_work import KernelWork
+
 PHASES = ("forward", "backward", "after backward")
 
 _aten = torch.ops.aten
@@ -114,15 +116,8 @@ def _from_torch_optim(frame):
 
 
 @dataclasses.dataclass
-class PhaseWork:
-    launches: int = 0
-    read: int = 0
-    written: int = 0
+class PhaseWork(KernelWork):
     host_reads: int = 0
-
-    @property
-    def bytes(self):
-        return self.read + self.written
 
 
 @dataclasses.dataclass

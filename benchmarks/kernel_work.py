@@ -54,6 +54,8 @@ def _compact_access(base, types):
 
 @dataclasses.dataclass
 class KernelWork:
+    """Launches and the bytes they read and write (device_work.PhaseWork adds host reads)."""
+
     launches: int = 0
     read: int = 0
     written: int = 0
