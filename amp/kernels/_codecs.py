@@ -124,12 +124,15 @@ def compact_encode(fp32):
     (correction 0), a value past the largest bf16 becomes inf as torch's cast makes it, NaN
     becomes bf16's quiet NaN (correction 0). In place where it can be: on the CPU each new
     tensor of this size costs its pages again. The rare cases (a NaN, a value rounded up to inf)
-    are asked about first on a plain CPU tensor (`_on_the_host`) and fixed up only then."""
+    are fixed up only where a plain CPU tensor's largest magnitude says there may be one
+    (`_on_the_host`; any other tensor always)."""
     flat = _dense_flat(fp32)
-    asked = _on_the_host(flat)
     magnitude = flat.view(torch.int32) & 0x7FFFFFFF
+    largest = 0x7FFFFFFF  # as if it held a NaN: every fix-up
+    if _on_the_host(flat) and flat.numel():
+        largest = int(magnitude.amax())
     nan = None
-    if not asked or (flat.numel() and bool(torch.isnan(flat.amax()))):
+    if largest > 0x7F800000:
         nan = magnitude > 0x7F800000
         magnitude.masked_fill_(nan, 0)  # its weight is set below; its correction comes out 0
     high = magnitude >> 16  # the weight's magnitude, nearest even: + 0x7FFF + its lowest bit
@@ -144,7 +147,7 @@ def compact_encode(fp32):
     correction += 0x7F
     correction >>= 8
     correction.clamp_(-127, 127)
-    if not asked or (flat.numel() and bool(high.amax() >= 0x7F80)):
+    if largest >= 0x7F7F8000:  # the least magnitude that rounds to inf (a tie, up to even)
         correction.masked_fill_(high >= 0x7F80, 0)  # inf, or rounded up to it: no correction
     if nan is not None:
         high.masked_fill_(nan, 0x7FC0)
